@@ -1,0 +1,91 @@
+"""Frozen, documented configuration records, validated where they are built.
+
+Field names follow vLLM's (`--pooler-config`, `--max-model-len`, ...) so users keep theirs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Literal, cast, get_args
+
+from ember.errors import ConfigError
+from ember.types import PoolingType
+
+__all__ = ["DType", "PoolerConfig", "check_dtype"]
+
+DType = Literal["auto", "float32", "bfloat16"]
+_POOLING_NAMES = {"CLS", "MEAN", "LAST"}
+# vLLM pooler fields that only matter for other tasks (reward, classify); accepted and ignored.
+_IGNORED_POOLER_FIELDS = {"activation", "softmax", "step_tag_id", "returned_token_ids", "use_activation"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's `--pooler-config` JSON for embedding models."""
+
+    pooling_type: PoolingType | None = None
+    """CLS, MEAN or LAST; None (or "auto" in JSON) detects it from the checkpoint."""
+    normalize: bool | None = None
+    """L2-normalise the pooled vector; None follows the checkpoint."""
+    dimensions: int | None = None
+    """Default Matryoshka truncation when a request does not ask for `dimensions`."""
+    enable_chunked_processing: bool = False
+    """Embed inputs longer than max-model-len as windows and merge them (token-weighted mean)."""
+    max_embed_len: int | None = None
+    """With chunked processing, the longest input accepted, in tokens (None: no limit)."""
+
+    @classmethod
+    def parse(cls, raw: str | dict[str, Any] | None, flag: str = "--pooler-config") -> PoolerConfig:
+        """Build from the flag's JSON text or a dict; every error names the flag."""
+        if raw is None or raw == "":
+            return cls()
+        data = raw
+        if isinstance(raw, str):
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{flag} must be a JSON object, got {raw!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - _IGNORED_POOLER_FIELDS
+        if unknown:
+            raise ConfigError(f"{flag}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        return cls(**_validated(kwargs, flag))
+
+
+def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
+    pooling = kw.get("pooling_type")
+    if isinstance(pooling, str):
+        pooling = pooling.upper()
+        if pooling == "AUTO":
+            pooling = None
+        elif pooling == "LASTTOKEN":
+            pooling = "LAST"
+        elif pooling not in _POOLING_NAMES:
+            raise ConfigError(
+                f"{flag}: pooling_type {kw['pooling_type']!r} is not supported; "
+                f"choose one of {sorted(_POOLING_NAMES)} or 'auto'"
+            )
+        kw["pooling_type"] = cast(PoolingType, pooling)
+    elif pooling is not None:
+        raise ConfigError(f"{flag}: pooling_type must be a string, got {pooling!r}")
+    for name in ("normalize", "enable_chunked_processing"):
+        if name in kw and kw[name] is not None and not isinstance(kw[name], bool):
+            raise ConfigError(f"{flag}: {name} must be true or false, got {kw[name]!r}")
+    for name in ("dimensions", "max_embed_len"):
+        value = kw.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{flag}: {name} must be a positive integer, got {value!r}")
+    return kw
+
+
+def check_dtype(value: str, flag: str = "--dtype") -> DType:
+    """Validate a dtype name (accepting torch's aliases) and return its canonical form."""
+    aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "float16": "bfloat16", "half": "bfloat16"}
+    name = aliases.get(value, value)
+    if name not in get_args(DType):
+        raise ConfigError(f"{flag} {value!r} is not supported on CPU; choose auto, float32 or bfloat16")
+    return cast(DType, name)

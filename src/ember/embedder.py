@@ -1,0 +1,97 @@
+"""The offline API: `Embedder(model).embed(texts)` for notebooks and batch jobs.
+
+Synchronous and single-threaded from the caller's view; batches are packed by a token
+budget and results come back in input order with the exact token count of each input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ember.config import DType, PoolerConfig, check_dtype
+from ember.engine.build import Loaded, load
+from ember.engine.inputs import check_dimensions, check_length, split_inputs, tokenize
+from ember.engine.scheduler import plan_batches
+from ember.errors import InputError
+from ember.ops.head import embedding_head
+from ember.types import ModelInfo
+
+__all__ = ["Embedder", "Embeddings"]
+
+
+class Embeddings(NamedTuple):
+    """Vectors (N, D) float32 in input order, and the tokens each input used."""
+
+    vectors: np.ndarray
+    token_counts: list[int]
+
+
+class Embedder:
+    """Loads a model once and embeds texts or token ids with it."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: DType | str = "auto",
+        max_model_len: int | None = None,
+        pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
+        revision: str | None = None,
+        hf_overrides: dict[str, Any] | None = None,
+        max_batch_tokens: int = 8192,
+        max_batch_seqs: int = 256,
+    ) -> None:
+        pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
+        self._loaded: Loaded = load(
+            model,
+            dtype=check_dtype(dtype),
+            max_model_len=max_model_len,
+            pooler=pooler,
+            revision=revision,
+            hf_overrides=hf_overrides,
+        )
+        self.pooler = pooler
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._loaded.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded.tokenizer
+
+    def embed(
+        self,
+        inputs: str | list[str] | list[int] | list[list[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        prompt_name: str | None = None,
+    ) -> Embeddings:
+        """Embed texts (or token-id lists, used as given); returns vectors in input order."""
+        info = self.info
+        dimensions = dimensions if dimensions is not None else self.pooler.dimensions
+        check_dimensions(info, dimensions)
+        seqs = tokenize(self._loaded.tokenizer, split_inputs(inputs), self._prompt(prompt_name))
+        for ids in seqs:
+            check_length(len(ids), info.max_model_len)
+        pooled: list[np.ndarray] = [np.empty(0, np.float32)] * len(seqs)
+        for batch in plan_batches([len(s) for s in seqs], self.max_batch_tokens, self.max_batch_seqs):
+            out = self._loaded.runner.embed([seqs[i] for i in batch])
+            for row, i in enumerate(batch):
+                pooled[i] = out[row]
+        norm = info.pooling.normalize if normalize is None else normalize
+        vectors = np.stack([embedding_head(v, dimensions, norm) for v in pooled])
+        return Embeddings(vectors, [len(s) for s in seqs])
+
+    def _prompt(self, prompt_name: str | None) -> str:
+        if prompt_name is None:
+            return ""
+        prompts = self.info.prompts
+        if prompt_name not in prompts:
+            raise InputError(f"unknown prompt_name {prompt_name!r}; this model has {sorted(prompts)}", "prompt_name")
+        return prompts[prompt_name]

@@ -1,0 +1,1 @@
+"""The engine: scheduling (pure), chunking (pure), the torch runner, the async engine, build."""

@@ -1,0 +1,136 @@
+"""The composition root: reads a checkpoint and wires tokenizer, model, pooler and runner.
+
+Order matters and is kept in one place: resolve the model, read its config and
+sentence-transformers files, decide pooling and dtype, build the model on the meta
+device, stream the weights in, then build the tokenizer and the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.config import DType, PoolerConfig
+from ember.errors import CheckpointError, ConfigError
+from ember.hardware import has_fast_bf16
+from ember.models.checkpoint import iter_weights, read_config, resolve_model
+from ember.models.dense import Dense
+from ember.models.registry import model_class
+from ember.models.st_modules import read_st_modules, resolve_pooling
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo
+
+__all__ = ["Loaded", "load", "torch_dtype"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    """A model ready to embed: its tokenizer, its runner and what it is."""
+
+    tokenizer: Tokenizer
+    runner: Any  # TorchRunner; Any keeps this record importable without the runner's type
+    info: ModelInfo
+    path: Path
+    load_seconds: float
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The compute dtype: `auto` is bfloat16 where the CPU has bf16 matrix instructions."""
+    if dtype == "auto":
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def load(
+    model: str | None = None,
+    *,
+    dtype: DType = "auto",
+    max_model_len: int | None = None,
+    pooler: PoolerConfig | None = None,
+    revision: str | None = None,
+    served_name: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+) -> Loaded:
+    """Load `model` (local directory, hub id, or None for the bundled default)."""
+    from ember.engine.runner import TorchRunner
+
+    start = time.perf_counter()
+    path = resolve_model(model, revision)
+    config = {**read_config(path), **(hf_overrides or {})}
+    arch, cls = model_class(config)
+    st = read_st_modules(path)
+    pooling = resolve_pooling(st, pooler or PoolerConfig(), is_decoder=getattr(cls, "is_decoder", False))
+    dt = torch_dtype(dtype)
+    net = _load_weights(cls, config, path, dt)
+    dense = [Dense.load(d) for d in st.dense_dirs]
+    tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
+    dims = config.get("matryoshka_dimensions")
+    info = ModelInfo(
+        name=served_name or model or str(path),
+        architecture=arch,
+        dimension=dense[-1].linear.out_features if dense else net.hidden_size,
+        max_model_len=_max_model_len(net.max_positions, st.max_seq_length, max_model_len),
+        dtype=str(dt).removeprefix("torch."),
+        pooling=pooling,
+        is_matryoshka=bool(config.get("is_matryoshka") or dims),
+        matryoshka_dimensions=tuple(dims) if dims else None,
+        prompts=st.prompts,
+        vocab_size=tokenizer.vocab_size,
+    )
+    seconds = time.perf_counter() - start
+    log.info(
+        "loaded %s (%s, %s, pooling %s%s from %s, max_model_len %d) in %.1fs",
+        info.name, arch, info.dtype, pooling.method, " + normalize" if pooling.normalize else "",
+        pooling.source, info.max_model_len, seconds,
+    )  # fmt: skip
+    return Loaded(tokenizer, TorchRunner(net, info, dense), info, path, seconds)
+
+
+def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
+    if asked is not None:
+        if asked < 1:
+            raise ConfigError(f"--max-model-len must be positive, got {asked}")
+        if asked > positions:
+            raise ConfigError(
+                f"--max-model-len {asked} is greater than the model's {positions} position embeddings"
+            )
+        return asked
+    return min(positions, st_max) if st_max else positions
+
+
+def _load_weights(cls: type[nn.Module], config: dict[str, Any], path: Path, dtype: torch.dtype) -> Any:
+    """Build the model on the meta device, then assign each checkpoint tensor, cast once."""
+    with torch.device("meta"):
+        net = cls.from_config(config)  # type: ignore[attr-defined]
+    expected = {k: v.shape for k, v in net.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, tensor in iter_weights(path):
+        key = cls.checkpoint_key(name)  # type: ignore[attr-defined]
+        if key is None:
+            continue
+        if key not in expected:
+            unexpected.append(name)
+            continue
+        if tensor.shape != expected[key]:
+            raise CheckpointError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[key])}"
+            )
+        state[key] = tensor.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {path} do not match {cls.__name__}: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    net.load_state_dict(state, strict=True, assign=True)
+    return net.eval().requires_grad_(False)

@@ -1,0 +1,94 @@
+"""Turning request inputs into validated token-id sequences (pure, no torch).
+
+Shared by the offline Embedder and the async engine, so both accept and refuse the same
+things with the same messages (vLLM's wording where clients match on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ember.errors import InputError, InputTooLongError
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo
+
+__all__ = ["check_dimensions", "check_length", "split_inputs", "tokenize"]
+
+Input = str | list[int]
+
+
+def split_inputs(inputs: Any, param: str = "input") -> list[Input]:
+    """str | list[str] | list[int] | list[list[int]] -> a list of texts or token-id lists."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes):
+        raise InputError(f"'{param}' must be a string, a list of strings or a list of token ids", param)
+    if len(inputs) == 0:
+        raise InputError(f"'{param}' must not be empty", param)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
+        return [list(inputs)]
+    items: list[Input] = []
+    for x in inputs:
+        if isinstance(x, str):
+            items.append(x)
+        elif isinstance(x, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+            items.append(list(x))
+        else:
+            raise InputError(f"'{param}' items must all be strings or all be lists of token ids", param)
+    return items
+
+
+def tokenize(
+    tokenizer: Tokenizer, items: list[Input], prompt: str = "", add_special_tokens: bool = True
+) -> list[list[int]]:
+    """Token ids for every item: texts are encoded (with `prompt` in front), ids checked as given."""
+    texts = [(i, prompt + x) for i, x in enumerate(items) if isinstance(x, str)]
+    out: list[list[int]] = [[] for _ in items]
+    if texts:
+        encoded = tokenizer.encode_batch([t for _, t in texts], add_special_tokens)
+        for (i, _), ids in zip(texts, encoded, strict=True):
+            out[i] = ids
+    for i, x in enumerate(items):
+        if isinstance(x, list):
+            tokenizer.check_ids(x)
+            out[i] = x
+    for ids in out:
+        if not ids:
+            raise InputError("an input is empty (zero tokens); every input needs at least one token", "input")
+    return out
+
+
+def check_length(n_tokens: int, max_model_len: int) -> None:
+    """vLLM's context-length error for an input longer than max_model_len."""
+    if n_tokens > max_model_len:
+        raise InputTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n_tokens} tokens in the input for embedding generation. Please reduce the length of "
+            "the input.",
+            "input",
+        )
+
+
+def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
+    """Refuse `dimensions` the model cannot give, as vLLM does."""
+    if dimensions is None:
+        return
+    if not info.is_matryoshka:
+        raise InputError(
+            f"Model \"{info.name}\" does not support matryoshka representation, changing output "
+            "dimensions will lead to poor results.",
+            "dimensions",
+        )
+    if dimensions < 1:
+        raise InputError(f"Dimensions must be greater than 0, got {dimensions}", "dimensions")
+    if info.matryoshka_dimensions and dimensions not in info.matryoshka_dimensions:
+        raise InputError(
+            f"Model \"{info.name}\" only supports {list(info.matryoshka_dimensions)} matryoshka "
+            f"dimensions, using other output dimensions will lead to poor results.",
+            "dimensions",
+        )
+    if dimensions > info.dimension:
+        raise InputError(
+            f"dimensions must be at most the model's {info.dimension}, got {dimensions}", "dimensions"
+        )

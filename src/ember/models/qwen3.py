@@ -1,0 +1,145 @@
+"""Qwen3 (Qwen3-Embedding-0.6B/4B/8B): GQA, q/k RMSNorm, RoPE, SwiGLU, causal attention.
+
+Runs packed: x is (T, hidden) for all sequences of a batch laid end to end.
+Parameter names are the checkpoint's, so a strict load_state_dict just works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.ops.attention import varlen_attention
+from ember.ops.norms import rms_norm
+from ember.ops.rope import apply_rope, rope_cos_sin
+
+__all__ = ["Qwen3Args", "Qwen3Model"]
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Qwen3Args:
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Qwen3Args) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim))  # (T, Hq, D)
+        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim))  # (T, Hkv, D)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = varlen_attention(q, k, v, seqlens, causal=True)  # (T, Hq, D)
+        return self.o_proj(y.reshape(T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: Qwen3Args) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: Qwen3Args) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """The Qwen3 decoder without its LM head: token ids in, final hidden states out."""
+
+    is_decoder = True
+
+    def __init__(self, a: Qwen3Args) -> None:
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Qwen3Model:
+        return cls(Qwen3Args.from_config(cfg))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.args.max_position_embeddings
+
+    @staticmethod
+    def checkpoint_key(name: str) -> str | None:
+        """Our name for a checkpoint key; None for keys an embedding model does not use."""
+        if name.startswith("lm_head."):
+            return None
+        return name.removeprefix("model.")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        """input_ids, positions: (T,); returns hidden states (T, hidden)."""
+        x = self.embed_tokens(input_ids)  # (T, H)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, seqlens)
+        return self.norm(x)

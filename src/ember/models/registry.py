@@ -1,0 +1,38 @@
+"""Which model class runs which checkpoint architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ember.errors import UnsupportedModelError
+from ember.models.bert import BertModel
+from ember.models.qwen3 import Qwen3Model
+
+__all__ = ["ARCHITECTURES", "model_class"]
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Qwen3ForCausalLM": Qwen3Model,
+    "Qwen3Model": Qwen3Model,
+    "BertModel": BertModel,
+    "BertForMaskedLM": BertModel,
+    "XLMRobertaModel": BertModel,
+    "XLMRobertaForMaskedLM": BertModel,
+    "RobertaModel": BertModel,
+}
+_BY_MODEL_TYPE = {"qwen3": "Qwen3Model", "bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
+
+
+def model_class(config: dict[str, Any]) -> tuple[str, type[nn.Module]]:
+    """The architecture name and ember's class for a config.json."""
+    names = list(config.get("architectures") or [])
+    if not names and config.get("model_type") in _BY_MODEL_TYPE:
+        names = [_BY_MODEL_TYPE[config["model_type"]]]
+    for name in names:
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    raise UnsupportedModelError(
+        f"unsupported architecture {names or config.get('model_type')!r}; "
+        f"ember supports: {', '.join(sorted(ARCHITECTURES))}"
+    )

@@ -1,0 +1,1 @@
+"""Plain tensor functions: attention, norms, rotary embeddings, pooling."""

@@ -1,0 +1,92 @@
+"""Attention over packed variable-length sequences, through memory-efficient SDPA.
+
+Sequences are laid end to end (T = sum of lengths). Attention runs per group of
+similar-length sequences, padded only within the group, so no full T x T score matrix
+is ever built and short sequences do not pay for long ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["group_by_length", "varlen_attention"]
+
+# A group may waste at most this fraction of its padded area on padding.
+_MAX_PADDING = 0.25
+
+
+def group_by_length(seqlens: list[int]) -> list[list[int]]:
+    """Indices of sequences grouped so each group pads to its longest with little waste."""
+    order = sorted(range(len(seqlens)), key=lambda i: -seqlens[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups:
+            group = groups[-1]
+            longest = seqlens[group[0]]
+            if (len(group) + 1) * longest * (1 - _MAX_PADDING) <= total + seqlens[i]:
+                group.append(i)
+                total += seqlens[i]
+                continue
+        groups.append([i])
+        total = seqlens[i]
+    return groups
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None):
+    # q: (B, Hq, L, D); k, v: (B, Hkv, L, D)
+    if k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeat, dim=1)  # (B, Hq, L, D)
+        v = v.repeat_interleave(repeat, dim=1)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
+) -> torch.Tensor:
+    """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
+    if len(seqlens) == 1:
+        out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
+        return out[0].transpose(0, 1)  # (T, Hq, D)
+    starts = [0]
+    for n in seqlens[:-1]:
+        starts.append(starts[-1] + n)
+    out = torch.empty_like(q)
+    for group in group_by_length(seqlens):
+        if len(group) == 1:
+            s, n = starts[group[0]], seqlens[group[0]]
+            out[s : s + n] = varlen_attention(q[s : s + n], k[s : s + n], v[s : s + n], [n], causal)
+            continue
+        _padded_group(q, k, v, out, [starts[i] for i in group], [seqlens[i] for i in group], causal)
+    return out
+
+
+def _padded_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+    causal: bool,
+) -> None:
+    """Pads one group to (B, H, L, D), attends with a key mask, scatters back into `out`."""
+    width = max(lens)
+    # Token index of every (sequence, position); padding points at token 0 and is masked.
+    pos = torch.arange(width)
+    valid = pos[None, :] < torch.tensor(lens)[:, None]  # (B, L)
+    index = torch.where(valid, torch.tensor(starts)[:, None] + pos[None, :], 0)  # (B, L)
+    qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+    mask = None
+    if not all(n == width for n in lens):
+        mask = valid[:, None, None, :]  # (B, 1, 1, L): keys that exist
+        if causal:
+            mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
+    elif causal:
+        mask = None
+    res = _sdpa(qp, kp, vp, causal, mask).transpose(1, 2)  # (B, L, Hq, D)
+    out[index[valid]] = res[valid]

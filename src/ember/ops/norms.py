@@ -1,0 +1,19 @@
+"""Normalisation layers as plain functions; statistics are computed in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["layer_norm", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Qwen/Llama: normalise in float32, cast back, then scale."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm; torch's CPU kernel accumulates reduced-precision inputs in float32."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

@@ -1,0 +1,113 @@
+"""The tokenizer: a thin wrapper over Hugging Face `tokenizers` (no torch here).
+
+Truncation and padding configured in tokenizer.json are switched off: ember decides
+lengths itself (chunking, truncation, errors), and packed batches need no padding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from ember.errors import CheckpointError, InputError
+
+__all__ = ["Tokenizer", "set_tokenizer_threads"]
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Encodes texts to token ids, with the model's special tokens, and decodes them back."""
+
+    def __init__(self, hf: HFTokenizer, *, eos_id: int | None = None, append_eos: bool = False) -> None:
+        hf.no_truncation()
+        hf.no_padding()
+        self._hf = hf
+        self.eos_id = eos_id
+        self.append_eos = append_eos and eos_id is not None
+        """Append EOS when the post-processor does not (decoder models pooled on the last token)."""
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        specials = self.encode("", add_special_tokens=True)
+        self.num_special_tokens = len(specials)
+        """Tokens the post-processor adds to a single input ([CLS] [SEP], or <|endoftext|>)."""
+
+    @classmethod
+    def from_dir(cls, path: Path, *, ensure_eos: bool = False) -> Tokenizer:
+        """Load tokenizer.json from a model directory; `ensure_eos` for LAST-pooled decoders."""
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(f"no tokenizer.json in {path}; ember needs a fast tokenizer file")
+        try:
+            hf = HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+        eos_id = _eos_id(path, hf)
+        tok = cls(hf, eos_id=eos_id)
+        if ensure_eos and eos_id is not None:
+            probe = hf.encode("a").ids
+            if not probe or probe[-1] != eos_id:
+                log.warning("tokenizer.json does not append EOS (id %d); ember appends it", eos_id)
+                tok.append_eos = True
+        return tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of one text."""
+        ids: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.append_eos and add_special_tokens and (not ids or ids[-1] != self.eos_id):
+            ids.append(self.eos_id)  # type: ignore[arg-type]
+        return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel by the Rust tokenizer."""
+        encs = self._hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        out = [e.ids for e in encs]
+        if self.append_eos and add_special_tokens:
+            for ids in out:
+                if not ids or ids[-1] != self.eos_id:
+                    ids.append(self.eos_id)
+        return out
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids; ids outside the vocabulary are an InputError."""
+        self.check_ids(ids)
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id (None when unknown)."""
+        return self._hf.id_to_token(token_id)
+
+    def check_ids(self, ids: list[int], param: str = "input") -> None:
+        """Raise InputError unless every id is a valid token of this vocabulary."""
+        bad = [i for i in ids if not isinstance(i, int) or i < 0 or i >= self.vocab_size]
+        if bad:
+            raise InputError(
+                f"token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param
+            )
+
+
+def _eos_id(path: Path, hf: HFTokenizer) -> int | None:
+    """The EOS token id from tokenizer_config.json (or config.json's eos_token_id)."""
+    cfg_file = path / "tokenizer_config.json"
+    if cfg_file.is_file():
+        eos = json.loads(cfg_file.read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and hf.token_to_id(eos) is not None:
+            return hf.token_to_id(eos)
+    config = path / "config.json"
+    if config.is_file():
+        eos_id = json.loads(config.read_text()).get("eos_token_id")
+        if isinstance(eos_id, list):
+            eos_id = eos_id[0] if eos_id else None
+        if isinstance(eos_id, int):
+            return eos_id
+    return None
+
+
+def set_tokenizer_threads(n: int) -> None:
+    """Size the Rust tokenizer's thread pool (must run before its first parallel encode)."""
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, n))

@@ -1,0 +1,49 @@
+"""Plain records and protocols shared by every layer (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+__all__ = ["ModelInfo", "PoolingSpec", "PoolingType", "Runner"]
+
+PoolingType = Literal["CLS", "MEAN", "LAST"]
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    """How token states become one vector: the method, then whether to normalise."""
+
+    method: PoolingType
+    normalize: bool
+    source: str = "default"
+    """Where the choice came from: a file name, "override" or "default"."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of ember needs to know about a loaded model."""
+
+    name: str
+    architecture: str
+    dimension: int
+    """Width of the pooled vector (after any sentence-transformers Dense layer)."""
+    max_model_len: int
+    dtype: str
+    pooling: PoolingSpec
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    prompts: dict[str, str] = field(default_factory=dict)
+    vocab_size: int = 0
+
+
+class Runner(Protocol):
+    """The backend contract: pooled float32 vectors for a batch of token-id sequences."""
+
+    info: ModelInfo
+
+    def embed(self, batch: list[list[int]]) -> np.ndarray:
+        """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation)."""
+        ...
