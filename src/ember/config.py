@@ -12,7 +12,7 @@ from typing import Any, Literal, cast, get_args
 from ember.errors import ConfigError
 from ember.types import PoolingType
 
-__all__ = ["DType", "PoolerConfig", "check_dtype"]
+__all__ = ["DType", "EngineConfig", "PoolerConfig", "check_dtype"]
 
 DType = Literal["auto", "float32", "bfloat16"]
 _POOLING_NAMES = {"CLS", "MEAN", "LAST"}
@@ -89,3 +89,25 @@ def check_dtype(value: str, flag: str = "--dtype") -> DType:
     if name not in get_args(DType):
         raise ConfigError(f"{flag} {value!r} is not supported on CPU; choose auto, float32 or bfloat16")
     return cast(DType, name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Batching and backpressure limits of the async engine (vLLM's flag names where they exist)."""
+
+    max_num_batched_tokens: int = 16384
+    """Token budget of one packed batch (--max-num-batched-tokens)."""
+    max_num_seqs: int = 256
+    """Most sequences in one batch (--max-num-seqs)."""
+    max_queued_requests: int = 1024
+    """Requests waiting or running before new ones get 429 (--max-queued-requests)."""
+    max_queued_tokens: int = 1_000_000
+    """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
+    seconds_per_token: float = 0.002
+    """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value <= 0:
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")

@@ -6,16 +6,16 @@ budget and results come back in input order with the exact token count of each i
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from ember.config import DType, PoolerConfig, check_dtype
 from ember.engine.build import Loaded, load
-from ember.engine.inputs import check_dimensions, check_length, split_inputs, tokenize
+from ember.engine.inputs import check_dimensions, fit_length, split_inputs, tokenize
 from ember.engine.scheduler import plan_batches
 from ember.errors import InputError
-from ember.ops.head import embedding_head
+from ember.ops.head import embed_windows
 from ember.types import ModelInfo
 
 __all__ = ["Embedder", "Embeddings"]
@@ -71,22 +71,33 @@ class Embedder:
         dimensions: int | None = None,
         normalize: bool | None = None,
         prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
     ) -> Embeddings:
         """Embed texts (or token-id lists, used as given); returns vectors in input order."""
         info = self.info
         dimensions = dimensions if dimensions is not None else self.pooler.dimensions
         check_dimensions(info, dimensions)
-        seqs = tokenize(self._loaded.tokenizer, split_inputs(inputs), self._prompt(prompt_name))
-        for ids in seqs:
-            check_length(len(ids), info.max_model_len)
-        pooled: list[np.ndarray] = [np.empty(0, np.float32)] * len(seqs)
-        for batch in plan_batches([len(s) for s in seqs], self.max_batch_tokens, self.max_batch_seqs):
-            out = self._loaded.runner.embed([seqs[i] for i in batch])
-            for row, i in enumerate(batch):
-                pooled[i] = out[row]
+        tokenizer = self._loaded.tokenizer
+        seqs = tokenize(tokenizer, split_inputs(inputs), self._prompt(prompt_name))
+        windows = [
+            fit_length(ids, info.max_model_len, tokenizer.special_tokens, truncate_to=truncate_prompt_tokens,
+                       side=truncation_side, pooler=self.pooler)
+            for ids in seqs
+        ]  # fmt: skip
+        flat = [(i, j) for i, ws in enumerate(windows) for j in range(len(ws))]
+        pooled: dict[tuple[int, int], np.ndarray] = {}
+        lengths = [len(windows[i][j]) for i, j in flat]
+        for batch in plan_batches(lengths, self.max_batch_tokens, self.max_batch_seqs):
+            out = self._loaded.runner.embed([windows[flat[k][0]][flat[k][1]] for k in batch])
+            for row, k in enumerate(batch):
+                pooled[flat[k]] = out[row]
         norm = info.pooling.normalize if normalize is None else normalize
-        vectors = np.stack([embedding_head(v, dimensions, norm) for v in pooled])
-        return Embeddings(vectors, [len(s) for s in seqs])
+        vectors = [
+            embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], dimensions, norm)
+            for i, ws in enumerate(windows)
+        ]
+        return Embeddings(np.stack(vectors), [sum(len(w) for w in ws) for ws in windows])
 
     def _prompt(self, prompt_name: str | None) -> str:
         if prompt_name is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from ember.errors import CheckpointError, InputError
+from ember.types import Specials
 
 __all__ = ["Tokenizer", "set_tokenizer_threads"]
 
@@ -31,9 +32,8 @@ class Tokenizer:
         self.append_eos = append_eos and eos_id is not None
         """Append EOS when the post-processor does not (decoder models pooled on the last token)."""
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        specials = self.encode("", add_special_tokens=True)
-        self.num_special_tokens = len(specials)
-        """Tokens the post-processor adds to a single input ([CLS] [SEP], or <|endoftext|>)."""
+        self.special_tokens = self._specials()
+        """The special tokens around a single input ([CLS] ... [SEP], or ... <|endoftext|>)."""
 
     @classmethod
     def from_dir(cls, path: Path, *, ensure_eos: bool = False) -> Tokenizer:
@@ -46,13 +46,21 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise CheckpointError(f"cannot read {file}: {e}") from None
         eos_id = _eos_id(path, hf)
-        tok = cls(hf, eos_id=eos_id)
+        append_eos = False
         if ensure_eos and eos_id is not None:
             probe = hf.encode("a").ids
             if not probe or probe[-1] != eos_id:
                 log.warning("tokenizer.json does not append EOS (id %d); ember appends it", eos_id)
-                tok.append_eos = True
-        return tok
+                append_eos = True
+        return cls(hf, eos_id=eos_id, append_eos=append_eos)
+
+    def _specials(self) -> Specials:
+        content = self._hf.encode("a", add_special_tokens=False).ids
+        full = self.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(content) + 1):
+            if full[start : start + len(content)] == content:
+                return Specials(tuple(full[:start]), tuple(full[start + len(content) :]))
+        return Specials()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one text."""
@@ -84,9 +92,7 @@ class Tokenizer:
         """Raise InputError unless every id is a valid token of this vocabulary."""
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i >= self.vocab_size]
         if bad:
-            raise InputError(
-                f"token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param
-            )
+            raise InputError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param)
 
 
 def _eos_id(path: Path, hf: HFTokenizer) -> int | None:

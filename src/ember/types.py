@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["ModelInfo", "PoolingSpec", "PoolingType", "Runner"]
+__all__ = ["ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials"]
 
 PoolingType = Literal["CLS", "MEAN", "LAST"]
 
@@ -37,6 +37,32 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None
     prompts: dict[str, str] = field(default_factory=dict)
     vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class Specials:
+    """The special tokens the tokenizer puts around a single input."""
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+    def unwrap(self, ids: list[int]) -> tuple[list[int], bool]:
+        """The content of `ids` without the specials, and whether they were there."""
+        p, s = len(self.prefix), len(self.suffix)
+        if (
+            (p or s)
+            and len(ids) >= p + s
+            and tuple(ids[:p]) == self.prefix
+            and tuple(ids[len(ids) - s :]) == self.suffix
+        ):
+            return ids[p : len(ids) - s], True
+        return ids, False
+
+    def wrap(self, content: list[int]) -> list[int]:
+        return [*self.prefix, *content, *self.suffix]
+
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.suffix)
 
 
 class Runner(Protocol):

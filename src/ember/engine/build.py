@@ -99,9 +99,7 @@ def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int
         if asked < 1:
             raise ConfigError(f"--max-model-len must be positive, got {asked}")
         if asked > positions:
-            raise ConfigError(
-                f"--max-model-len {asked} is greater than the model's {positions} position embeddings"
-            )
+            raise ConfigError(f"--max-model-len {asked} is greater than the model's {positions} position embeddings")
         return asked
     return min(positions, st_max) if st_max else positions
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ember.config import PoolerConfig
+from ember.engine.chunking import Specials, split_windows, truncate
 from ember.errors import InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["check_dimensions", "check_length", "split_inputs", "tokenize"]
+__all__ = ["check_dimensions", "check_length", "fit_length", "split_inputs", "tokenize"]
 
 Input = str | list[int]
 
@@ -76,7 +78,7 @@ def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
         return
     if not info.is_matryoshka:
         raise InputError(
-            f"Model \"{info.name}\" does not support matryoshka representation, changing output "
+            f'Model "{info.name}" does not support matryoshka representation, changing output '
             "dimensions will lead to poor results.",
             "dimensions",
         )
@@ -84,11 +86,52 @@ def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
         raise InputError(f"Dimensions must be greater than 0, got {dimensions}", "dimensions")
     if info.matryoshka_dimensions and dimensions not in info.matryoshka_dimensions:
         raise InputError(
-            f"Model \"{info.name}\" only supports {list(info.matryoshka_dimensions)} matryoshka "
+            f'Model "{info.name}" only supports {list(info.matryoshka_dimensions)} matryoshka '
             f"dimensions, using other output dimensions will lead to poor results.",
             "dimensions",
         )
     if dimensions > info.dimension:
-        raise InputError(
-            f"dimensions must be at most the model's {info.dimension}, got {dimensions}", "dimensions"
+        raise InputError(f"dimensions must be at most the model's {info.dimension}, got {dimensions}", "dimensions")
+
+
+def fit_length(
+    ids: list[int],
+    max_model_len: int,
+    specials: Specials,
+    *,
+    truncate_to: int | None = None,
+    side: str | None = None,
+    pooler: PoolerConfig | None = None,
+    overlap: int = 0,
+) -> list[list[int]]:
+    """The windows to embed for one input: itself, truncated, or split when chunking is on."""
+    pooler = pooler or PoolerConfig()
+    if truncate_to is not None:
+        ids = _truncated(ids, truncate_to, side or "right", max_model_len, specials)
+    if len(ids) <= max_model_len:
+        return [ids]
+    if not pooler.enable_chunked_processing:
+        check_length(len(ids), max_model_len)
+    if pooler.max_embed_len is not None and len(ids) > pooler.max_embed_len:
+        raise InputTooLongError(
+            f"This model's maximum embedding input length is {pooler.max_embed_len} tokens. However, you "
+            f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the length "
+            "of the input.",
+            "input",
         )
+    return split_windows(ids, max_model_len, specials, overlap)
+
+
+def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: Specials) -> list[int]:
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise InputError("truncate_prompt_tokens must be -1 or a positive number of tokens", "truncate_prompt_tokens")
+    if k > max_model_len:
+        raise InputError(
+            "truncate_prompt_tokens value is greater than max_model_len. Please, select a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    if side not in ("left", "right"):
+        raise InputError(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
+    return truncate(ids, k, side, specials)

@@ -108,8 +108,7 @@ def weight_files(path: Path) -> list[Path]:
         if (path / name).is_file():
             return [path / name]
     raise CheckpointError(
-        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json "
-        "or pytorch_model.bin"
+        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
     )
 
 

@@ -91,7 +91,7 @@ def _pooling_mode(file: Path) -> PoolingType:
     if not isinstance(mode, str) or mode not in _MODES:
         raise UnsupportedModelError(
             f"{file}: pooling mode {mode!r} is not supported; ember supports cls, mean and lasttoken "
-            "(override with --pooler-config '{\"pooling_type\": \"MEAN\"}' if you accept the difference)"
+            '(override with --pooler-config \'{"pooling_type": "MEAN"}\' if you accept the difference)'
         )
     if cfg.get("include_prompt") is False:
         log.warning("%s: include_prompt=false is not honoured; prompt tokens are pooled too", file)
@@ -122,8 +122,7 @@ def resolve_pooling(st: STModules, override: PoolerConfig, is_decoder: bool) -> 
         return PoolingSpec(st.pooling, normalize, "modules.json")
     method: PoolingType = "LAST" if is_decoder else "CLS"
     log.warning(
-        "no sentence-transformers pooling config: using %s pooling with normalisation "
-        "(set --pooler-config to choose)",
+        "no sentence-transformers pooling config: using %s pooling with normalisation (set --pooler-config to choose)",
         method,
     )
     normalize = override.normalize if override.normalize is not None else True

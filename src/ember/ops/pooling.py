@@ -21,4 +21,3 @@ def pool(hidden: torch.Tensor, seqlens: list[int], method: PoolingType) -> torch
     sums = torch.zeros(len(seqlens), hidden.shape[-1], dtype=torch.float32)
     sums.index_add_(0, seq_of_token, hidden.float())  # summed in float32, as vLLM
     return sums / lens[:, None].float()
-

@@ -1,0 +1,277 @@
+"""The async engine: all of ember's concurrency lives here.
+
+Requests are tokenised on a small thread pool, split into work items (one per input, or
+one per window of a long input), and queued earliest-deadline-first, where a request's
+deadline is its arrival time plus its token count times a per-token cost: short queries
+overtake bulk work, and nothing starves. One model thread runs packed batches formed by
+the token budget; a request whose client has gone is dropped before it is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ember.config import EngineConfig, PoolerConfig
+from ember.engine.inputs import Input, check_dimensions, fit_length, split_inputs, tokenize
+from ember.errors import EmberError, EngineDeadError, OverloadedError, ShuttingDownError
+from ember.ops.head import embed_windows
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo, Runner
+
+__all__ = ["AsyncEngine", "EmbedParams", "EmbedResult"]
+
+log = logging.getLogger(__name__)
+
+BatchObserver = Callable[[int, int, float], None]
+"""Called after each batch with (sequences, tokens, seconds)."""
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    """Per-request options (OpenAI's and vLLM's field names)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    prompt: str = ""
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """Vectors in input order, exact token counts, and where the time went."""
+
+    vectors: list[np.ndarray]
+    token_counts: list[int]
+    queue_seconds: float
+    inference_seconds: float
+
+
+@dataclass(eq=False)
+class _Request:
+    windows: list[list[list[int]]]  # per input, its windows of token ids
+    future: asyncio.Future[None]
+    arrival: float
+    pending: int
+    pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    first_batch: float | None = None
+    inference_seconds: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for ws in self.windows for w in ws)
+
+
+@dataclass(order=True)
+class _Item:
+    deadline: float
+    seq: int
+    request: _Request = field(compare=False)
+    key: tuple[int, int] = field(compare=False)  # (input index, window index)
+    ids: list[int] = field(compare=False)
+
+
+class AsyncEngine:
+    """Embeds requests from many clients through one model thread, in continuous batches."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        pooler: PoolerConfig | None = None,
+        *,
+        tokenizer_threads: int = 1,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.pooler = pooler or PoolerConfig()
+        self.observer = observer
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
+        self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
+        self._heap: list[_Item] = []
+        self._counter = itertools.count()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.running_seqs = 0
+        self.running_tokens = 0
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.runner.info
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine can embed (its scheduler task is running)."""
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="ember-scheduler")
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        """Refuse new work, let queued and running requests finish (up to the grace period), stop."""
+        self._closing = True
+        deadline = time.monotonic() + grace_seconds
+        while self.queued_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._model_thread.shutdown(wait=True, cancel_futures=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run tokenizer work off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def embed(self, inputs: Any, params: EmbedParams = EmbedParams()) -> EmbedResult:
+        """Embed inputs (texts or token ids); raises EmberError subclasses for bad input or overload."""
+        self._check_accepting()
+        items: list[Input] = split_inputs(inputs)
+        dimensions = params.dimensions if params.dimensions is not None else self.pooler.dimensions
+        check_dimensions(self.info, dimensions)
+        if self.queued_requests >= self.config.max_queued_requests:
+            raise self._overloaded()
+        seqs = await self.run_in_tokenizer(tokenize, self.tokenizer, items, params.prompt, params.add_special_tokens)
+        windows = [self._fit(ids, params) for ids in seqs]
+        request = self._admit(windows)
+        try:
+            await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True
+            raise
+        finally:
+            self.queued_requests -= 1
+            self.queued_tokens -= request.tokens
+        return self._finish(request, params, dimensions)
+
+    def _check_accepting(self) -> None:
+        if self._closing:
+            raise ShuttingDownError("the server is shutting down and accepts no new requests")
+        if not self.alive:
+            raise EngineDeadError("the embedding engine is not running")
+
+    def _fit(self, ids: list[int], params: EmbedParams) -> list[list[int]]:
+        return fit_length(
+            ids,
+            self.info.max_model_len,
+            self.tokenizer.special_tokens,
+            truncate_to=params.truncate_prompt_tokens,
+            side=params.truncation_side,
+            pooler=self.pooler,
+        )
+
+    def _overloaded(self) -> OverloadedError:
+        wait = max(1.0, self.queued_tokens * self.config.seconds_per_token)
+        return OverloadedError(
+            f"server overloaded: {self.queued_requests} requests and {self.queued_tokens} tokens queued; retry later",
+            retry_after=round(wait),
+        )
+
+    def _admit(self, windows: list[list[list[int]]]) -> _Request:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        request = _Request(windows, loop.create_future(), now, pending=sum(len(ws) for ws in windows))
+        cfg = self.config
+        if self.queued_requests >= cfg.max_queued_requests or (
+            self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
+        ):
+            raise self._overloaded()
+        self.queued_requests += 1
+        self.queued_tokens += request.tokens
+        deadline = now + request.tokens * cfg.seconds_per_token
+        for i, ws in enumerate(windows):
+            for j, ids in enumerate(ws):
+                heapq.heappush(self._heap, _Item(deadline, next(self._counter), request, (i, j), ids))
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return request
+
+    def _finish(self, request: _Request, params: EmbedParams, dimensions: int | None) -> EmbedResult:
+        normalize = self.info.pooling.normalize if params.normalize is None else params.normalize
+        vectors = []
+        for i, ws in enumerate(request.windows):
+            parts = [request.pooled[(i, j)] for j in range(len(ws))]
+            vectors.append(embed_windows(parts, [len(w) for w in ws], dimensions, normalize))
+        started = request.first_batch or request.arrival
+        return EmbedResult(
+            vectors,
+            [sum(len(w) for w in ws) for ws in request.windows],
+            queue_seconds=started - request.arrival,
+            inference_seconds=request.inference_seconds,
+        )
+
+    def _form_batch(self) -> list[_Item]:
+        """Pop items earliest-deadline-first within the token and sequence budgets."""
+        batch: list[_Item] = []
+        tokens = 0
+        while self._heap and len(batch) < self.config.max_num_seqs:
+            item = self._heap[0]
+            if item.request.cancelled or item.request.future.done():
+                heapq.heappop(self._heap)
+                continue
+            if batch and tokens + len(item.ids) > self.config.max_num_batched_tokens:
+                break
+            heapq.heappop(self._heap)
+            batch.append(item)
+            tokens += len(item.ids)
+        return batch
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._form_batch()
+            if not batch:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._run_batch(loop, batch)
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        start = time.monotonic()
+        for item in batch:
+            if item.request.first_batch is None:
+                item.request.first_batch = start
+        self.running_seqs, self.running_tokens = len(batch), sum(len(it.ids) for it in batch)
+        try:
+            out = await loop.run_in_executor(self._model_thread, self.runner.embed, [it.ids for it in batch])
+        except Exception as e:  # the model failed on this batch: fail its requests, keep serving
+            log.exception("batch of %d sequences failed", len(batch))
+            for item in batch:
+                if not item.request.future.done():
+                    item.request.future.set_exception(
+                        e if isinstance(e, EmberError) else EmberError(f"embedding failed: {e}")
+                    )
+            return
+        finally:
+            self.running_seqs = self.running_tokens = 0
+        seconds = time.monotonic() - start
+        if self.observer is not None:
+            self.observer(len(batch), sum(len(it.ids) for it in batch), seconds)
+        for request in {item.request for item in batch}:
+            request.inference_seconds += seconds
+        for row, item in enumerate(batch):
+            request = item.request
+            request.pooled[item.key] = out[row]
+            request.pending -= 1
+            if request.pending == 0 and not request.future.done():
+                request.future.set_result(None)

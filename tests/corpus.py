@@ -1,0 +1,78 @@
+"""Real sentences of varied length (and a small retrieval set) for parity tests."""
+
+SENTENCES = [
+    "Hello world.",
+    "The cat sat on the mat.",
+    "A man is playing a guitar on a street corner.",
+    "Embeddings map text to points in a vector space.",
+    "Paris is the capital and most populous city of France.",
+    "The mitochondria is the powerhouse of the cell.",
+    "I like to eat apples and bananas for breakfast.",
+    "Quantum computers use qubits, which can represent 0 and 1 at the same time.",
+    "She sells seashells by the seashore.",
+    "Kubernetes schedules containers onto nodes according to their resource requests and limits.",
+    "The stock market fell sharply on Tuesday after the central bank raised interest rates.",
+    "How do I reset my password?",
+    "What is the boiling point of water at sea level?",
+    "Water boils at 100 degrees Celsius at standard atmospheric pressure.",
+    "The Great Wall of China is visible in many photographs taken from low Earth orbit, though not with the naked "
+    "eye from the Moon.",
+    "Python is a high-level, general-purpose programming language whose design emphasizes code readability.",
+    "A quick brown fox jumps over the lazy dog.",
+    "Retrieval-augmented generation combines a retriever with a generator to ground answers in documents.",
+    "The train to Berlin departs at 7:45 from platform 9.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "My flight was delayed by three hours because of a storm.",
+    "The recipe calls for two cups of flour, one egg, and a pinch of salt.",
+    "Neural networks are trained with gradient descent and backpropagation.",
+    "He scored the winning goal in the final minute of the match.",
+    "The library closes at 9 pm on weekdays and at 5 pm on weekends.",
+    "Climate change is increasing the frequency of extreme weather events around the world.",
+    "Please find attached the invoice for last month's services.",
+    "The Eiffel Tower was completed in 1889 for the World's Fair.",
+    "Dogs are loyal companions and have lived alongside humans for thousands of years.",
+    "Solar panels convert sunlight directly into electricity using photovoltaic cells.",
+    "Can you recommend a good Italian restaurant nearby?",
+    "The patient was prescribed antibiotics for a bacterial infection.",
+    "Shakespeare wrote Hamlet, Macbeth, Othello and King Lear.",
+    "The database migration failed because of a foreign key constraint violation.",
+    "Inflation measures how quickly prices for goods and services rise over time.",
+    "A transformer model uses self-attention to weigh the importance of each token in a sequence.",
+    "The children built a sandcastle at the beach.",
+    "Mount Everest is the highest mountain above sea level, at 8,849 metres.",
+    "Vaccines train the immune system to recognise pathogens.",
+    "Our quarterly revenue grew by twelve percent compared with the same period last year.",
+    "The museum's new exhibition features paintings from the Dutch Golden Age, including several works by "
+    "Rembrandt and Vermeer that have rarely been shown outside the Netherlands.",
+    "To install the package, run pip install followed by the package name, then import it in your script.",
+    "Bees pollinate flowers, which helps plants reproduce.",
+    "The court ruled that the contract was void because one party had been misled about its terms.",
+    "I'm sorry, but I can't make it to the meeting tomorrow.",
+    "Electric cars are becoming cheaper as battery prices fall.",
+    "The orchestra played Beethoven's Ninth Symphony to a sold-out audience.",
+    "Tokyo is one of the largest metropolitan areas in the world.",
+    "The function returns None when the key is missing from the dictionary.",
+    "She has been learning to play the violin since she was six years old.",
+    "A long document about the history of computing: from Babbage's analytical engine, through the vacuum tube "
+    "machines of the 1940s, the transistor and the integrated circuit, to personal computers, the internet, "
+    "smartphones and the cloud, each step made computation cheaper, smaller and more widely available, and "
+    "changed how people work, communicate and learn.",
+    "ok",
+    "Ünïcödé àccents and émojis 🚀 should tokenize without trouble.",
+    "日本語の文章も埋め込みできます。",
+]
+
+QUERIES = [
+    "What is the capital of France?",
+    "How do plants make energy from sunlight?",
+    "Which language emphasizes readable code?",
+    "Where can I eat pasta?",
+]
+DOCUMENTS = [
+    "Paris is the capital and most populous city of France.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "Python is a high-level, general-purpose programming language whose design emphasizes code readability.",
+    "Can you recommend a good Italian restaurant nearby?",
+    "The stock market fell sharply on Tuesday after the central bank raised interest rates.",
+    "Mount Everest is the highest mountain above sea level, at 8,849 metres.",
+]
