@@ -12,7 +12,7 @@ from typing import Any, Literal, cast, get_args
 from ember.errors import ConfigError
 from ember.types import PoolingType
 
-__all__ = ["DType", "EngineConfig", "PoolerConfig", "check_dtype"]
+__all__ = ["DType", "EngineConfig", "PoolerConfig", "ServerConfig", "check_dtype"]
 
 DType = Literal["auto", "float32", "bfloat16"]
 _POOLING_NAMES = {"CLS", "MEAN", "LAST"}
@@ -111,3 +111,19 @@ class EngineConfig:
             value = getattr(self, f.name)
             if value <= 0:
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP edge needs to know: names, keys and limits."""
+
+    served_model_names: tuple[str, ...]
+    """Names clients may send as `model`; the first is the one reported (--served-model-name)."""
+    model_path: str = ""
+    """The checkpoint the model was loaded from, reported as `root` by /v1/models."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted bearer tokens (--api-key, VLLM_API_KEY, EMBER_API_KEY); empty = no auth."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted before 413 (--max-request-bytes)."""
+    shutdown_grace_seconds: float = 30.0
+    """How long SIGTERM waits for in-flight requests (--shutdown-grace)."""

@@ -107,7 +107,7 @@ class AsyncEngine:
         self._counter = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._closing = False
+        self.closing = False
         self.queued_requests = 0
         self.queued_tokens = 0
         self.running_seqs = 0
@@ -128,7 +128,7 @@ class AsyncEngine:
 
     async def stop(self, grace_seconds: float = 30.0) -> None:
         """Refuse new work, let queued and running requests finish (up to the grace period), stop."""
-        self._closing = True
+        self.closing = True
         deadline = time.monotonic() + grace_seconds
         while self.queued_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -164,7 +164,7 @@ class AsyncEngine:
         return self._finish(request, params, dimensions)
 
     def _check_accepting(self) -> None:
-        if self._closing:
+        if self.closing:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.alive:
             raise EngineDeadError("the embedding engine is not running")

@@ -23,7 +23,7 @@ Input = str | list[int]
 def split_inputs(inputs: Any, param: str = "input") -> list[Input]:
     """str | list[str] | list[int] | list[list[int]] -> a list of texts or token-id lists."""
     if isinstance(inputs, str):
-        return [inputs]
+        inputs = [inputs]
     if not isinstance(inputs, Sequence) or isinstance(inputs, bytes):
         raise InputError(f"'{param}' must be a string, a list of strings or a list of token ids", param)
     if len(inputs) == 0:
@@ -33,6 +33,8 @@ def split_inputs(inputs: Any, param: str = "input") -> list[Input]:
     items: list[Input] = []
     for x in inputs:
         if isinstance(x, str):
+            if not x:
+                raise InputError(f"'{param}' strings must not be empty", param)
             items.append(x)
         elif isinstance(x, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
             items.append(list(x))

@@ -49,9 +49,7 @@ _LEGACY_POOLING_KEYS: dict[str, str] = {
 }
 POOLING_MODES: tuple[str, ...] = tuple(_LEGACY_POOLING_KEYS)
 
-QWEN3_QUERY_PROMPT = (
-    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-)
+QWEN3_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 #: Prompts of Qwen3-Embedding's config_sentence_transformers.json.
 QWEN3_PROMPTS: dict[str, str] = {"query": QWEN3_QUERY_PROMPT, "document": ""}
 
@@ -161,8 +159,7 @@ def write_st_pooling(
         modules.append((norm_path, "Normalize"))
         (out / norm_path).mkdir(parents=True, exist_ok=True)
     entries = [
-        {"idx": i, "name": str(i), "path": path, "type": _ST_TYPE + kind}
-        for i, (path, kind) in enumerate(modules)
+        {"idx": i, "name": str(i), "path": path, "type": _ST_TYPE + kind} for i, (path, kind) in enumerate(modules)
     ]
     _write_json(out / "modules.json", entries)
     st_config = {
@@ -192,17 +189,12 @@ def _randomize_parameters(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            is_norm = "norm" in name.lower()
-            if is_norm and not name.endswith("bias"):
-                noise = 1.0 + 0.1 * noise
-            else:
-                noise = _INIT_STD * noise
+            norm_weight = "norm" in name.lower() and not name.endswith("bias")
+            noise = 1.0 + 0.1 * noise if norm_weight else _INIT_STD * noise
             param.copy_(noise.to(param.dtype))
 
 
-def _save_model(
-    model: Any, out_dir: Path, *, prefix: str | None, architectures: list[str] | None = None
-) -> None:
+def _save_model(model: Any, out_dir: Path, *, prefix: str | None, architectures: list[str] | None = None) -> None:
     """Save a transformers base model, optionally with every key prefixed by ``prefix.``.
 
     Without a prefix this is ``save_pretrained``; with one the state dict is renamed (as
@@ -361,7 +353,7 @@ def _write_bert_tokenizer(out_dir: Path, max_length: int) -> int:
     return len(tokenizer["model"]["vocab"])
 
 
-_NOUNS = (
+_NOUNS_TEXT = (
     "time person year way day thing world life hand part child eye woman place work week case "
     "point company number group problem fact river mountain city garden library computer network "
     "model query document passage engine search answer question student teacher music science "
@@ -376,8 +368,8 @@ _NOUNS = (
     "balance blanket border branch budget butterfly candle capital cabinet channel chapter "
     "circle climate coffee college concert contract cottage country culture customer database "
     "decision diamond dinner direction distance dragon editor element emperor evidence"
-).split()
-_VERBS = (
+)
+_VERBS_TEXT = (
     "makes finds reads writes builds moves takes gives shows opens closes carries follows "
     "explains describes improves measures compares retrieves embeds ranks searches answers "
     "learns teaches watches remembers discovers repairs collects protects visits crosses "
@@ -385,15 +377,15 @@ _VERBS = (
     "designs develops encourages examines expects forgets gathers imagines includes "
     "introduces invents manages notices organizes paints prepares publishes receives "
     "recommends replaces requires returns selects shares studies supports translates"
-).split()
-_ADJECTIVES = (
+)
+_ADJECTIVES_TEXT = (
     "small large quick slow bright dark ancient modern simple complex quiet noisy careful clever "
     "gentle heavy light local remote narrow broad famous hidden golden frozen crowded peaceful "
     "curious patient reliable efficient beautiful strange ordinary wonderful anxious brilliant "
     "comfortable dangerous delicious elegant enormous fragile generous honest important "
     "invisible magnificent mysterious northern obvious popular precious rapid silent southern "
     "sudden terrible tropical valuable western"
-).split()
+)
 _SENTENCES = (
     "Dense retrieval maps queries and documents into a shared vector space.",
     "The embedding server batches requests, truncates long inputs and normalizes vectors.",
@@ -414,10 +406,11 @@ _SENTENCES = (
 def _xlmr_corpus() -> Iterator[str]:
     """A deterministic English training corpus (a few hundred sentences)."""
     yield from _SENTENCES
-    n, v, a = len(_NOUNS), len(_VERBS), len(_ADJECTIVES)
+    nouns, verbs, adjectives = _NOUNS_TEXT.split(), _VERBS_TEXT.split(), _ADJECTIVES_TEXT.split()
+    n, v, a = len(nouns), len(verbs), len(adjectives)
     for i in range(600):
-        first, second, third = _NOUNS[i % n], _NOUNS[(7 * i + 3) % n], _NOUNS[(13 * i + 5) % n]
-        adj1, adj2, verb = _ADJECTIVES[i % a], _ADJECTIVES[(5 * i + 1) % a], _VERBS[(3 * i) % v]
+        first, second, third = nouns[i % n], nouns[(7 * i + 3) % n], nouns[(13 * i + 5) % n]
+        adj1, adj2, verb = adjectives[i % a], adjectives[(5 * i + 1) % a], verbs[(3 * i) % v]
         if i % 3 == 0:
             yield f"The {adj1} {first} {verb} a {adj2} {second} near the {third}."
         elif i % 3 == 1:
@@ -629,9 +622,7 @@ _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _random_chunks(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
-) -> Iterator[bytes]:
+def _random_chunks(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> Iterator[bytes]:
     """Seeded values of one tensor, as raw little-endian bytes, a block of rows at a time."""
     import torch
 

@@ -126,9 +126,7 @@ def _ranks_to_vocab_merges(
     merges: list[tuple[bytes, bytes, int]] = []
     for token, rank in ranks.items():
         local = [
-            (token[:i], token[i:], rank)
-            for i in range(1, len(token))
-            if token[:i] in ranks and token[i:] in ranks
+            (token[:i], token[i:], rank) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks
         ]
         local.sort(key=lambda m: (ranks[m[0]], ranks[m[1]]))
         merges.extend(local)
@@ -139,8 +137,7 @@ def _ranks_to_vocab_merges(
 @functools.lru_cache(maxsize=4)
 def _qwen3_tokenizer_json(tiktoken_path: str) -> str:
     """Serialized Qwen3 tokenizer.json built from ``tiktoken_path`` (cached per process)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     ranks = load_tiktoken_ranks(Path(tiktoken_path))
     if len(ranks) != QWEN_NUM_RANKS or max(ranks.values()) != QWEN_NUM_RANKS - 1:
@@ -158,10 +155,7 @@ def _qwen3_tokenizer_json(tiktoken_path: str) -> str:
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     # Added tokens get consecutive ids in insertion order; the table is sorted by id and the
     # special ones come first, so special-then-normal reproduces the official ids.
-    added = [
-        AddedToken(content, normalized=False, special=special)
-        for _, content, special in QWEN3_ADDED_TOKENS
-    ]
+    added = [AddedToken(content, normalized=False, special=special) for _, content, special in QWEN3_ADDED_TOKENS]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
     for token_id, content, _ in QWEN3_ADDED_TOKENS:
@@ -193,13 +187,10 @@ def _qwen3_tokenizer_config() -> dict[str, Any]:
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(token_id): _token_entry(content, special)
-            for token_id, content, special in QWEN3_ADDED_TOKENS
+            str(token_id): _token_entry(content, special) for token_id, content, special in QWEN3_ADDED_TOKENS
         },
         "additional_special_tokens": [
-            content
-            for token_id, content, special in QWEN3_ADDED_TOKENS
-            if special and token_id != QWEN3_EOS_ID
+            content for token_id, content, special in QWEN3_ADDED_TOKENS if special and token_id != QWEN3_EOS_ID
         ],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
@@ -221,9 +212,7 @@ def build_qwen3_tokenizer(out_dir: Path) -> None:
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(
-        _qwen3_tokenizer_json(str(qwen_tiktoken_path())), encoding="utf-8"
-    )
+    (out / "tokenizer.json").write_text(_qwen3_tokenizer_json(str(qwen_tiktoken_path())), encoding="utf-8")
     config = _qwen3_tokenizer_config()
     _write_json(out / "tokenizer_config.json", config)
     eos = {k: v for k, v in _token_entry(_EOS, True).items() if k != "special"}

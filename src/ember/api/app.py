@@ -1,0 +1,50 @@
+"""Building the FastAPI app around an engine: routes, error mapping, middleware, lifespan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ember import __version__
+from ember.api.errors import install_error_handlers
+from ember.api.metrics import Metrics
+from ember.api.middleware import EdgeMiddleware
+from ember.api.routes import Context, inference, probes
+from ember.config import ServerConfig
+from ember.engine.engine import AsyncEngine
+
+__all__ = ["create_app"]
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+    """The HTTP app; starting it starts the engine, stopping it drains the engine."""
+    metrics = metrics or Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop(config.shutdown_grace_seconds)
+
+    app = FastAPI(
+        title="ember",
+        version=__version__,
+        description="CPU-native, OpenAI-compatible embedding server",
+        lifespan=lifespan,
+    )
+    app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
+    metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
+    metrics.watch(metrics.queued_tokens, lambda: engine.queued_tokens)
+    metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
+    metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
+    engine.observer = metrics.observe_batch
+    install_error_handlers(app)
+    app.include_router(inference)
+    app.include_router(probes)
+    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes)
+    return app

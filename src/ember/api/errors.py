@@ -1,0 +1,97 @@
+"""Translating errors into OpenAI-style bodies: {"error": {"message", "type", "param", "code"}}.
+
+Every failure leaves the server through here, so clients always see the same shape,
+and validation failures are 400 (never FastAPI's default 422).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from ember.api.responses import JSONBytes
+from ember.errors import (
+    EmberError,
+    EngineDeadError,
+    InputError,
+    OverloadedError,
+    ShuttingDownError,
+)
+
+__all__ = ["error_response", "install_error_handlers"]
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONBytes:
+    """The OpenAI/vLLM error body for `status`."""
+    kind = _TYPES.get(status) or HTTPStatus(status).phrase
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONBytes(body, status_code=status, headers=headers)
+
+
+def _status(exc: EmberError) -> int:
+    if isinstance(exc, InputError):
+        return 400
+    if isinstance(exc, OverloadedError):
+        return 429
+    if isinstance(exc, (ShuttingDownError, EngineDeadError)):
+        return 503
+    return 500
+
+
+async def _ember_error(request: Request, exc: Exception) -> JSONBytes:
+    assert isinstance(exc, EmberError)
+    status = _status(exc)
+    if status == 500:
+        log.error("request %s failed: %s", request.url.path, exc)
+    headers = {"Retry-After": str(int(exc.retry_after))} if isinstance(exc, OverloadedError) else None
+    return error_response(status, str(exc), getattr(exc, "param", None), headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONBytes:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    if not errors:
+        return error_response(400, "invalid request")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"request body is not valid JSON: {first.get('msg')}")
+    field = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return error_response(400, f"invalid value for '{where}': {first.get('msg')}", field)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONBytes:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONBytes:
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(EmberError, _ember_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,228 @@
+"""The HTTP routes: embeddings, pooling, tokenize, models, health, version, metrics.
+
+Handlers only translate: request body -> engine call -> response body. Inference routes sit
+behind the API key; probes and /metrics stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+
+from ember import __version__
+from ember.api.metrics import Metrics
+from ember.api.responses import JSONBytes
+from ember.api.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelList,
+    PoolingResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from ember.config import ServerConfig
+from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
+
+__all__ = ["Context", "inference", "probes"]
+
+
+@dataclass
+class Context:
+    """What the handlers need, stored on app.state.ctx by create_app."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    metrics: Metrics
+    created: int
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise HTTPException(404, f"The model `{model}` does not exist.")
+
+
+def _ctx(request: Request) -> Context:
+    ctx: Context = request.app.state.ctx
+    return ctx
+
+
+async def require_api_key(request: Request) -> None:
+    """401 unless the request carries one of the configured keys (compared in constant time)."""
+    keys = _ctx(request).config.api_keys
+    if not keys:
+        return
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+        raise HTTPException(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+inference = APIRouter(dependencies=[Depends(require_api_key)])
+probes = APIRouter()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Any) -> Any:
+    """Await `work`, cancelling it (and so dropping its queued batches) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
+def _params(body: EmbeddingRequest, ctx: Context) -> EmbedParams:
+    normalize = body.normalize if body.normalize is not None else body.use_activation
+    prompt = ""
+    if body.prompt_name is not None:
+        prompts = ctx.engine.info.prompts
+        if body.prompt_name not in prompts:
+            raise HTTPException(400, f"unknown prompt_name {body.prompt_name!r}; this model has {sorted(prompts)}")
+        prompt = prompts[body.prompt_name]
+    return EmbedParams(
+        dimensions=body.dimensions,
+        normalize=normalize,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side,
+        add_special_tokens=body.add_special_tokens,
+        prompt=prompt,
+    )
+
+
+def _encode(vector: np.ndarray, encoding_format: str | None) -> Any:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector  # orjson writes float32 arrays as JSON numbers
+
+
+async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, EmbedResult]:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    try:
+        result: EmbedResult = await until_disconnect(request, ctx.engine.embed(body.input, _params(body, ctx)))
+    except ClientGone:
+        raise HTTPException(499, "client closed the request") from None
+    tokens = sum(result.token_counts)
+    request.state.queue_seconds, request.state.inference_seconds = result.queue_seconds, result.inference_seconds
+    request.state.tokens = tokens
+    ctx.metrics.tokens.inc(tokens)
+    ctx.metrics.queue_time.observe(result.queue_seconds)
+    ctx.metrics.inference_time.observe(result.inference_seconds)
+    return ctx, result
+
+
+def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{request.state.request_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "data": data,
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+
+
+@inference.post("/v1/embeddings", response_model=EmbeddingResponse)
+@inference.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """OpenAI's embeddings endpoint, with vLLM's extras."""
+    ctx, result = await _embed(request, body)
+    data = [
+        {"index": i, "object": "embedding", "embedding": _encode(v, body.encoding_format)}
+        for i, v in enumerate(result.vectors)
+    ]
+    return JSONBytes(_envelope(ctx, request, "embd", data, sum(result.token_counts)))
+
+
+@inference.post("/pooling", response_model=PoolingResponse)
+async def pooling(body: EmbeddingRequest, request: Request) -> Response:
+    """vLLM's pooling endpoint: the pooled vectors under `data`."""
+    ctx, result = await _embed(request, body)
+    data = [
+        {"index": i, "object": "pooling", "data": _encode(v, body.encoding_format)}
+        for i, v in enumerate(result.vectors)
+    ]
+    return JSONBytes(_envelope(ctx, request, "pool", data, sum(result.token_counts)))
+
+
+@inference.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    tok = ctx.engine.tokenizer
+    ids: list[int] = await ctx.engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
+    strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.info.max_model_len, tokens=ids, token_strs=strs)
+
+
+@inference.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    text: str = await ctx.engine.run_in_tokenizer(ctx.engine.tokenizer.decode, body.tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+@inference.get("/v1/models", response_model=ModelList)
+async def models(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    card = {
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "ember",
+        "root": ctx.config.model_path or ctx.model_name,
+        "parent": None,
+        "max_model_len": ctx.engine.info.max_model_len,
+        "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": ctx.created}],
+    }
+    return {"object": "list", "data": [{"id": name, **card} for name in ctx.config.served_model_names]}
+
+
+@probes.get("/health")
+@probes.get("/ping")
+@probes.post("/ping", include_in_schema=False)
+async def health(request: Request) -> Response:
+    """200 while the engine can embed; 503 once it cannot (or while draining)."""
+    engine = _ctx(request).engine
+    return Response(status_code=200 if engine.alive and not engine.closing else 503)
+
+
+@probes.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@probes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

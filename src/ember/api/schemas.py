@@ -1,0 +1,132 @@
+"""Request and response bodies, with OpenAI's and vLLM's field names.
+
+Unknown fields are accepted and ignored, as vLLM does, so every client's extras pass.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "ErrorResponse",
+    "ModelList",
+    "TokenizeRequest",
+    "TokenizeResponse",
+]
+
+Input = str | list[str] | list[int] | list[list[int]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings (and /pooling)."""
+
+    model: str | None = None
+    input: Input
+    encoding_format: Literal["float", "base64"] | None = Field(
+        None, description="float (default, also when null) or base64 of little-endian float32"
+    )
+    dimensions: int | None = Field(None, description="Matryoshka truncation (Matryoshka models only)")
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="-1: max-model-len; k: keep k tokens")
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    use_activation: bool | None = Field(None, description="accepted for vLLM compatibility; same as normalize")
+    prompt_name: str | None = Field(None, description="a prompt from config_sentence_transformers.json")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ember"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[dict[str, object]] = []
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,54 @@
+"""A fake runner: deterministic vectors without weights, so API and engine tests run in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from ember.models.checkpoint import bundled_default_model
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo, PoolingSpec
+
+
+def minilm_tokenizer() -> Tokenizer:
+    path = bundled_default_model()
+    assert path is not None
+    return Tokenizer.from_dir(path)
+
+
+class FakeRunner:
+    """MEAN of a fixed random vector per token id; records every batch it runs."""
+
+    def __init__(self, vocab_size: int, *, dim: int = 16, max_model_len: int = 32, delay: float = 0.0) -> None:
+        self.table = np.random.default_rng(0).standard_normal((vocab_size, dim)).astype(np.float32)
+        self.info = ModelInfo(
+            name="fake-model",
+            architecture="Fake",
+            dimension=dim,
+            max_model_len=max_model_len,
+            dtype="float32",
+            pooling=PoolingSpec("MEAN", True),
+            is_matryoshka=True,
+            vocab_size=vocab_size,
+            prompts={"query": "query: "},
+        )
+        self.delay = delay
+        self.batches: list[list[list[int]]] = []
+        self.fail_when = None  # a predicate on the batch that makes it raise
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def embed(self, batch: list[list[int]]) -> np.ndarray:
+        self.gate.wait(10)
+        self.batches.append([list(ids) for ids in batch])
+        if self.fail_when is not None and self.fail_when(batch):
+            raise RuntimeError("simulated model failure")
+        if self.delay:
+            time.sleep(self.delay * sum(len(s) for s in batch))
+        return np.stack([self.table[ids].mean(0) for ids in batch])
+
+    def expected(self, ids: list[int]) -> np.ndarray:
+        v = self.table[ids].mean(0)
+        return v / np.linalg.norm(v)
