@@ -16,17 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.config import DType, PoolerConfig
+from ember.config import DType, EngineConfig, PoolerConfig
+from ember.engine.engine import AsyncEngine
 from ember.errors import CheckpointError, ConfigError
 from ember.hardware import has_fast_bf16
-from ember.models.checkpoint import iter_weights, read_config, resolve_model
+from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, read_config, resolve_model
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["Loaded", "load", "torch_dtype"]
+__all__ = ["Loaded", "build_engine", "load", "torch_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def load(
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
     dims = config.get("matryoshka_dimensions")
     info = ModelInfo(
-        name=served_name or model or str(path),
+        name=served_name or model or DEFAULT_MODEL,
         architecture=arch,
         dimension=dense[-1].linear.out_features if dense else net.hidden_size,
         max_model_len=_max_model_len(net.max_positions, st.max_seq_length, max_model_len),
@@ -132,3 +133,9 @@ def _load_weights(cls: type[nn.Module], config: dict[str, Any], path: Path, dtyp
         )
     net.load_state_dict(state, strict=True, assign=True)
     return net.eval().requires_grad_(False)
+
+
+def build_engine(loaded: Loaded, config: EngineConfig, pooler: PoolerConfig, tokenizer_threads: int = 1) -> AsyncEngine:
+    """The async engine over a loaded model, warmed up so the first request pays no first-call cost."""
+    loaded.runner.embed([loaded.tokenizer.encode("warm up")])
+    return AsyncEngine(loaded.runner, loaded.tokenizer, config, pooler, tokenizer_threads=tokenizer_threads)

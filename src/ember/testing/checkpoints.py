@@ -252,6 +252,18 @@ def _build_model(model_cls: Any, config: Any, seed: int, dtype: str = "float32")
 # --------------------------------------------------------------------------- Qwen3
 
 
+def _qwen3_config_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of ``transformers.Qwen3Config`` (Qwen3-Embedding values + overrides).
+
+    ``rope_theta`` is accepted by transformers 4 and 5 (which moves it into ``rope_parameters``).
+    """
+    keys = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+    kwargs: dict[str, Any] = {k: QWEN3_EMBEDDING_0_6B_CONFIG[k] for k in keys}
+    kwargs.update(bos_token_id=QWEN3_EOS_ID, eos_token_id=QWEN3_EOS_ID)
+    kwargs.update(overrides)
+    return kwargs
+
+
 def build_qwen3(
     out_dir: Path,
     *,
@@ -282,23 +294,10 @@ def build_qwen3(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = "Qwen3ForCausalLM" if with_model_prefix else "Qwen3Model"
-    config = transformers.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate if intermediate is not None else 3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=32768,
-        max_window_layers=layers,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-        bos_token_id=QWEN3_EOS_ID,
-        eos_token_id=QWEN3_EOS_ID,
-        architectures=[arch],
-    )
+    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "max_window_layers": layers}
+    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    shape.update(intermediate_size=intermediate if intermediate is not None else 3 * hidden)
+    config = transformers.Qwen3Config(**_qwen3_config_kwargs(vocab_size=vocab_size, architectures=[arch], **shape))
     model = _build_model(transformers.Qwen3Model, config, seed, dtype)
     _save_model(model, out, prefix="model" if with_model_prefix else None, architectures=[arch])
     build_qwen3_tokenizer(out)
@@ -544,11 +543,10 @@ def build_bert(
 ) -> Path:
     """Write a small BERT or XLM-RoBERTa checkpoint with random weights to ``out_dir``.
 
-    ``bert`` uses the real all-MiniLM-L6-v2 WordPiece tokenizer (30522 tokens); ``xlm-roberta``
-    a small in-process-trained Unigram tokenizer (~2000 pieces, ``<pad>`` = 1).
-    ``vocab_size`` defaults to the tokenizer's size. ``max_position`` is the longest input
-    in tokens (XLM-R stores ``max_position + 2`` position embeddings).
-    ``with_model_prefix`` saves the keys as ``bert.*`` / ``roberta.*``.
+    ``bert`` uses the real all-MiniLM-L6-v2 WordPiece tokenizer (30522 tokens), ``xlm-roberta`` a
+    small in-process-trained Unigram tokenizer (~2000 pieces, ``<pad>`` = 1); ``vocab_size`` defaults
+    to the tokenizer's size. ``max_position`` is the longest input in tokens (XLM-R stores
+    ``max_position + 2`` positions). ``with_model_prefix`` saves keys as ``bert.*`` / ``roberta.*``.
     """
     import transformers
 
@@ -571,11 +569,9 @@ def build_bert(
     )
     model_cls = transformers.BertModel if kind == "bert" else transformers.XLMRobertaModel
     model = _build_model(model_cls, config, seed)
-    prefix, arch = ("bert", "BertForMaskedLM") if kind == "bert" else ("roberta", "XLMRobertaForMaskedLM")
-    if with_model_prefix:
-        _save_model(model, out, prefix=prefix, architectures=[arch])
-    else:
-        _save_model(model, out, prefix=None, architectures=[model_cls.__name__])
+    head = ("bert", "BertForMaskedLM") if kind == "bert" else ("roberta", "XLMRobertaForMaskedLM")
+    prefix, arch = head if with_model_prefix else (None, model_cls.__name__)
+    _save_model(model, out, prefix=prefix, architectures=[arch])
     if st_pooling is not None:
         write_st_pooling(
             out,

@@ -152,7 +152,9 @@ def _qwen3_tokenizer_json(tiktoken_path: str) -> str:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # The type stubs of decoders.ByteLevel omit these (real, serialized) options.
+    byte_level: dict[str, Any] = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tok.decoder = decoders.ByteLevel(**byte_level)
     # Added tokens get consecutive ids in insertion order; the table is sorted by id and the
     # special ones come first, so special-then-normal reproduces the official ids.
     added = [AddedToken(content, normalized=False, special=special) for _, content, special in QWEN3_ADDED_TOKENS]

@@ -1,0 +1,138 @@
+"""vLLM-compatible flags for `ember serve`: the ones ember honours and the ones it ignores.
+
+Teams switching from `vllm serve MODEL --runner pooling` keep their command line; flags
+that only mean something on a GPU are accepted with a one-line warning saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from ember.errors import ConfigError
+
+__all__ = [
+    "IGNORED_FLAGS",
+    "add_serve_flags",
+    "api_keys",
+    "check_runner",
+    "parse_json_flag",
+    "parse_size",
+    "warn_ignored",
+]
+
+log = logging.getLogger("ember.cli")
+
+IGNORED_FLAGS: dict[str, str] = {
+    "--gpu-memory-utilization": "ember sizes its memory from the container limit (see --memory-limit)",
+    "--swap-space": "ember keeps no KV cache",
+    "--kv-cache-dtype": "ember keeps no KV cache",
+    "--block-size": "ember keeps no KV cache",
+    "--enable-prefix-caching": "ember keeps no KV cache",
+    "--enforce-eager": "ember always runs eagerly",
+    "--pipeline-parallel-size": "ember runs one process on CPU",
+    "--distributed-executor-backend": "ember runs one process on CPU",
+    "--device": "ember runs on CPU",
+    "--enable-chunked-prefill": "ember packs batches by token budget already",
+    "--disable-log-requests": "ember logs one access line per request, never input text",
+    "--enable-log-requests": "ember logs one access line per request, never input text",
+    "--disable-log-stats": "statistics are in /metrics",
+    "--disable-uvicorn-access-log": "ember writes its own access log",
+    "--max-log-len": "ember never logs input text",
+    "--seed": "embedding is deterministic",
+    "--trust-remote-code": "ember runs its own model code; remote code is never executed",
+    "--tokenizer-mode": "ember always uses the fast tokenizer (tokenizer.json)",
+    "--load-format": "ember reads safetensors or pytorch_model.bin as found",
+    "--disable-frontend-multiprocessing": "ember runs one process",
+    "--uvicorn-log-level": "use --log-level",
+}
+_IGNORED_SWITCHES = {
+    "--enforce-eager", "--enable-prefix-caching", "--disable-log-requests", "--enable-log-requests",
+    "--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code", "--enable-chunked-prefill",
+    "--disable-frontend-multiprocessing",
+}  # fmt: skip
+
+
+def parse_size(value: str) -> int:
+    """An integer with an optional k/m suffix (vLLM accepts `--max-model-len 8k`)."""
+    text = value.strip().lower()
+    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of tokens") from None
+
+
+def parse_json_flag(raw: str | None, flag: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    return data
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, help="model: local directory or hub id")
+    p.add_argument("--model", default=None, help="same as the positional model (vLLM)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="extend", nargs="+", default=[], help="accepted bearer token(s)")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; first is reported")
+    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (float16/half run as bfloat16)")
+    p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
+    p.add_argument("--max-num-batched-tokens", type=parse_size, default=None, help="token budget of one batch")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
+    p.add_argument("--max-queued-tokens", type=parse_size, default=None, help="tokens queued before 429")
+    p.add_argument("--max-request-bytes", type=parse_size, default=8 * 1024 * 1024, help="largest body before 413")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
+    p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
+    p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')
+    p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])
+    p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"])
+    p.add_argument("--task", default=None, help="deprecated vLLM flag; embed/embedding accepted")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for flag in IGNORED_FLAGS:
+        if flag in _IGNORED_SWITCHES:
+            p.add_argument(flag, action="count", default=0, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+
+
+def warn_ignored(args: argparse.Namespace) -> None:
+    for flag, why in IGNORED_FLAGS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            log.warning("%s is accepted for vLLM compatibility and ignored: %s", flag, why)
+
+
+def check_runner(args: argparse.Namespace) -> None:
+    """Refuse anything but an embedding runner, with a message that says why."""
+    task = (args.task or "").lower()
+    if args.runner in ("generate", "draft") or task in ("generate", "transcription", "draft"):
+        raise ConfigError(
+            "ember serves embedding models only (vLLM's --runner pooling); text generation is not supported"
+        )
+    if args.convert in ("classify", "reward") or task in ("classify", "score", "reward"):
+        raise ConfigError(f"ember does not serve {args.convert if args.convert != 'auto' else task} models yet")
+    if args.tensor_parallel_size != 1:
+        raise ConfigError("--tensor-parallel-size must be 1: ember runs one process on CPU")
+
+
+def api_keys(flag_keys: list[str]) -> tuple[str, ...]:
+    """Keys from --api-key, else VLLM_API_KEY / EMBER_API_KEY (comma-separated allowed)."""
+    if flag_keys:
+        return tuple(flag_keys)
+    keys: list[str] = []
+    for var in ("EMBER_API_KEY", "VLLM_API_KEY"):
+        keys += [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(keys))

@@ -1,0 +1,25 @@
+"""`ember` entry point: dispatches to the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ember import __version__
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ember.cli import serve
+
+    parser = argparse.ArgumentParser(prog="ember", description="CPU-native, OpenAI-compatible embedding server")
+    parser.add_argument("--version", action="version", version=f"ember {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve.add_parser(sub)
+    args, unknown = parser.parse_known_args(argv)
+    return int(args.run(args, unknown) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""`ember serve`: load the model, wire engine and app, run uvicorn until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from ember.cli.flags import add_serve_flags, api_keys, check_runner, parse_json_flag, warn_ignored
+from ember.errors import EmberError
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("ember.cli")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve an embedding model over HTTP (OpenAI/vLLM compatible)")
+    add_serve_flags(p)
+    p.set_defaults(run=run)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace, unknown: list[str]) -> int:
+    setup_logging(args.log_level)
+    for flag in unknown:
+        if flag.startswith("-"):
+            log.warning("unknown flag %s ignored", flag)
+    try:
+        return _serve(args)
+    except EmberError as e:
+        log.error("%s", e)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ember.api.app import create_app
+    from ember.config import EngineConfig, PoolerConfig, ServerConfig, check_dtype
+    from ember.engine.build import build_engine, load
+
+    check_runner(args)
+    warn_ignored(args)
+    pooler = PoolerConfig.parse(args.pooler_config or args.override_pooler_config)
+    model = args.model or args.model_tag
+    loaded = load(
+        model,
+        dtype=check_dtype(args.dtype),
+        max_model_len=args.max_model_len,
+        pooler=pooler,
+        revision=args.revision,
+        served_name=(args.served_model_name or [None])[0],
+        hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+    )
+    batch_tokens = args.max_num_batched_tokens or max(16384, loaded.info.max_model_len)
+    engine_config = EngineConfig(
+        max_num_batched_tokens=batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens or 64 * batch_tokens,
+    )
+    engine = build_engine(loaded, engine_config, pooler)
+    names = tuple(args.served_model_name or [loaded.info.name])
+    server = ServerConfig(
+        served_model_names=names,
+        model_path=str(loaded.path),
+        api_keys=api_keys(args.api_key),
+        max_request_bytes=args.max_request_bytes,
+        shutdown_grace_seconds=args.shutdown_grace,
+    )
+    app = create_app(engine, server)
+    log.info("serving %s as %s on http://%s:%d", loaded.info.name, names[0], args.host, args.port)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(args.shutdown_grace),
+    )
+    uvicorn.Server(config).run()
+    return 0
