@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fakes import FakeRunner, minilm_tokenizer  # noqa: E402
+from fakes import FakeRunner, minilm_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ember.api.app import create_app
-from ember.config import EngineConfig, PoolerConfig, ServerConfig
+from ember.config import EngineConfig, ServerConfig
 from ember.engine.engine import AsyncEngine
 
 
@@ -36,7 +36,12 @@ def test_embeddings_float_shape_order_and_exact_usage(client, runner, tokenizer)
     for d, seq in zip(body["data"], ids, strict=True):
         np.testing.assert_allclose(d["embedding"], runner.expected(seq), rtol=1e-6, atol=1e-6)
     n = sum(len(s) for s in ids)
-    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
+    assert body["usage"] == {
+        "prompt_tokens": n,
+        "total_tokens": n,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
 
 
 @pytest.mark.parametrize("fmt", [None, "float", "base64"])
@@ -115,10 +120,16 @@ def test_malformed_json_unknown_model_and_oversized_body(runner, tokenizer):
 
 def test_api_key_protects_inference_not_probes(runner, tokenizer):
     with make_client(runner, tokenizer, keys=("k1", "k2")) as c:
-        for path, body in [("/v1/embeddings", {"input": "x"}), ("/tokenize", {"prompt": "x"}), ("/pooling", {"input": "x"})]:
+        for path, body in [
+            ("/v1/embeddings", {"input": "x"}),
+            ("/tokenize", {"prompt": "x"}),
+            ("/pooling", {"input": "x"}),
+        ]:
             r = c.post(path, json=body)
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        assert c.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            c.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        )
         assert c.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer k2"}).status_code == 200
         assert c.get("/v1/models").status_code == 401
         assert c.get("/health").status_code == 200 and c.get("/ping").status_code == 200
@@ -148,8 +159,14 @@ def test_request_id_echo_openapi_and_metrics(client):
     assert client.get("/docs").status_code == 200
     text = client.get("/metrics").text
     assert 'ember_requests_total{endpoint="/v1/embeddings",status="200"} 2.0' in text
-    for name in ("ember_request_duration_seconds_bucket", "ember_batch_tokens_bucket", "ember_queue_requests",
-                 "ember_prompt_tokens_total", "process_resident_memory_bytes", "ember_inference_duration_seconds"):
+    for name in (
+        "ember_request_duration_seconds_bucket",
+        "ember_batch_tokens_bucket",
+        "ember_queue_requests",
+        "ember_prompt_tokens_total",
+        "process_resident_memory_bytes",
+        "ember_inference_duration_seconds",
+    ):
         assert name in text
 
 
@@ -169,6 +186,9 @@ def test_model_failure_fails_that_batch_and_the_server_keeps_serving(client, run
 
 
 def test_json_body_of_10mb_is_refused_cleanly(client):
-    r = client.post("/v1/embeddings", content=json.dumps({"input": "a" * (10 * 1024 * 1024)}),
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/embeddings",
+        content=json.dumps({"input": "a" * (10 * 1024 * 1024)}),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413

@@ -74,9 +74,11 @@ class Tokenizer:
         encs = self._hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         out = [e.ids for e in encs]
         if self.append_eos and add_special_tokens:
+            eos = self.eos_id
+            assert eos is not None
             for ids in out:
-                if not ids or ids[-1] != self.eos_id:
-                    ids.append(self.eos_id)
+                if not ids or ids[-1] != eos:
+                    ids.append(eos)
         return out
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -8,13 +8,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ember import __version__
 from ember.api.errors import install_error_handlers
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
 from ember.api.routes import Context, inference, probes
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
+from ember.version import __version__
 
 __all__ = ["create_app"]
 

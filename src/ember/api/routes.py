@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
-from ember import __version__
 from ember.api.metrics import Metrics
 from ember.api.responses import JSONBytes
 from ember.api.schemas import (
@@ -32,6 +31,7 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
+from ember.version import __version__
 
 __all__ = ["Context", "inference", "probes"]
 

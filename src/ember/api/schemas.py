@@ -5,7 +5,7 @@ Unknown fields are accepted and ignored, as vLLM does, so every client's extras 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -113,7 +113,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
-    permission: list[dict[str, object]] = []
+    permission: list[dict[str, Any]] = []
 
 
 class ModelList(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ember import __version__
+from ember.version import __version__
 
 __all__ = ["main"]
 
