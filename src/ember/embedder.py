@@ -80,11 +80,12 @@ class Embedder:
         check_dimensions(info, dimensions)
         tokenizer = self._loaded.tokenizer
         seqs = tokenize(tokenizer, split_inputs(inputs), self._prompt(prompt_name))
-        windows = [
+        fitted = [
             fit_length(ids, info.max_model_len, tokenizer.special_tokens, truncate_to=truncate_prompt_tokens,
                        side=truncation_side, pooler=self.pooler)
             for ids in seqs
         ]  # fmt: skip
+        windows = [f.windows for f in fitted]
         flat = [(i, j) for i, ws in enumerate(windows) for j in range(len(ws))]
         pooled: dict[tuple[int, int], np.ndarray] = {}
         lengths = [len(windows[i][j]) for i, j in flat]
@@ -97,7 +98,7 @@ class Embedder:
             embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], dimensions, norm)
             for i, ws in enumerate(windows)
         ]
-        return Embeddings(np.stack(vectors), [sum(len(w) for w in ws) for ws in windows])
+        return Embeddings(np.stack(vectors), [f.tokens for f in fitted])
 
     def _prompt(self, prompt_name: str | None) -> str:
         if prompt_name is None:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ember.config import EngineConfig, PoolerConfig
-from ember.engine.inputs import Input, check_dimensions, fit_length, split_inputs, tokenize
+from ember.engine.inputs import Fitted, Input, check_dimensions, fit_length, split_inputs, tokenize
 from ember.errors import EmberError, EngineDeadError, OverloadedError, ShuttingDownError
 from ember.ops.head import embed_windows
 from ember.tokenizer import Tokenizer
@@ -61,6 +61,7 @@ class EmbedResult:
 @dataclass(eq=False)
 class _Request:
     windows: list[list[list[int]]]  # per input, its windows of token ids
+    token_counts: list[int]  # per input, the tokens reported in usage
     future: asyncio.Future[None]
     arrival: float
     pending: int
@@ -151,8 +152,7 @@ class AsyncEngine:
         if self.queued_requests >= self.config.max_queued_requests:
             raise self._overloaded()
         seqs = await self.run_in_tokenizer(tokenize, self.tokenizer, items, params.prompt, params.add_special_tokens)
-        windows = [self._fit(ids, params) for ids in seqs]
-        request = self._admit(windows)
+        request = self._admit([self._fit(ids, params) for ids in seqs])
         try:
             await request.future
         except asyncio.CancelledError:
@@ -169,7 +169,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the embedding engine is not running")
 
-    def _fit(self, ids: list[int], params: EmbedParams) -> list[list[int]]:
+    def _fit(self, ids: list[int], params: EmbedParams) -> Fitted:
         return fit_length(
             ids,
             self.info.max_model_len,
@@ -186,10 +186,12 @@ class AsyncEngine:
             retry_after=round(wait),
         )
 
-    def _admit(self, windows: list[list[list[int]]]) -> _Request:
+    def _admit(self, fitted: list[Fitted]) -> _Request:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        request = _Request(windows, loop.create_future(), now, pending=sum(len(ws) for ws in windows))
+        windows = [f.windows for f in fitted]
+        pending = sum(len(ws) for ws in windows)
+        request = _Request(windows, [f.tokens for f in fitted], loop.create_future(), now, pending)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
@@ -214,7 +216,7 @@ class AsyncEngine:
         started = request.first_batch or request.arrival
         return EmbedResult(
             vectors,
-            [sum(len(w) for w in ws) for ws in request.windows],
+            request.token_counts,
             queue_seconds=started - request.arrival,
             inference_seconds=request.inference_seconds,
         )

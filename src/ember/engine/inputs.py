@@ -7,7 +7,7 @@ things with the same messages (vLLM's wording where clients match on it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ember.config import PoolerConfig
 from ember.engine.chunking import Specials, split_windows, truncate
@@ -15,7 +15,7 @@ from ember.errors import InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["check_dimensions", "check_length", "fit_length", "split_inputs", "tokenize"]
+__all__ = ["Fitted", "check_dimensions", "check_length", "fit_length", "split_inputs", "tokenize"]
 
 Input = str | list[int]
 
@@ -96,6 +96,13 @@ def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
         raise InputError(f"dimensions must be at most the model's {info.dimension}, got {dimensions}", "dimensions")
 
 
+class Fitted(NamedTuple):
+    """One input ready to embed: its windows, and the tokens it counts for in `usage`."""
+
+    windows: list[list[int]]
+    tokens: int
+
+
 def fit_length(
     ids: list[int],
     max_model_len: int,
@@ -105,13 +112,13 @@ def fit_length(
     side: str | None = None,
     pooler: PoolerConfig | None = None,
     overlap: int = 0,
-) -> list[list[int]]:
+) -> Fitted:
     """The windows to embed for one input: itself, truncated, or split when chunking is on."""
     pooler = pooler or PoolerConfig()
     if truncate_to is not None:
         ids = _truncated(ids, truncate_to, side or "right", max_model_len, specials)
     if len(ids) <= max_model_len:
-        return [ids]
+        return Fitted([ids], len(ids))
     if not pooler.enable_chunked_processing:
         check_length(len(ids), max_model_len)
     if pooler.max_embed_len is not None and len(ids) > pooler.max_embed_len:
@@ -121,7 +128,7 @@ def fit_length(
             "of the input.",
             "input",
         )
-    return split_windows(ids, max_model_len, specials, overlap)
+    return Fitted(split_windows(ids, max_model_len, specials, overlap), len(ids))
 
 
 def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: Specials) -> list[int]:

