@@ -82,6 +82,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model: local directory or hub id")
     p.add_argument("--model", default=None, help="same as the positional model (vLLM)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    p.add_argument("--download-dir", default=None, help="Hugging Face cache directory for hub downloads")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="extend", nargs="+", default=[], help="accepted bearer token(s)")

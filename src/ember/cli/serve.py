@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         pooler=pooler,
         revision=args.revision,
+        download_dir=args.download_dir,
         served_name=(args.served_model_name or [None])[0],
         hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
     )

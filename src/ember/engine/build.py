@@ -57,6 +57,7 @@ def load(
     max_model_len: int | None = None,
     pooler: PoolerConfig | None = None,
     revision: str | None = None,
+    download_dir: str | None = None,
     served_name: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
 ) -> Loaded:
@@ -64,7 +65,7 @@ def load(
     from ember.engine.runner import TorchRunner
 
     start = time.perf_counter()
-    path = resolve_model(model, revision)
+    path = resolve_model(model, revision, download_dir)
     config = {**read_config(path), **(hf_overrides or {})}
     arch, cls = model_class(config)
     st = read_st_modules(path)

@@ -38,7 +38,7 @@ def bundled_default_model() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> Path:
+def resolve_model(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """A local directory for `model`: itself if a directory, else the hub snapshot."""
     if model is None or model == DEFAULT_MODEL:
         bundled = bundled_default_model()
@@ -50,18 +50,20 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         return path
     if path.exists() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
         raise CheckpointError(f"model path {model!r} is not a directory")
-    return _download(model, revision)
+    return _download(model, revision, cache_dir)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, cache_dir: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=_ALLOW, ignore_patterns=_IGNORE)
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=_ALLOW, ignore_patterns=_IGNORE
+        )
         path = Path(str(folder))
         if not _has_safetensors(path) and not (path / "pytorch_model.bin").exists():
-            snapshot_download(repo_id, revision=revision, allow_patterns=["pytorch_model.bin"])
+            snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=["pytorch_model.bin"])
     except LocalEntryNotFoundError:
         raise CheckpointError(
             f"model {repo_id!r} is not a local directory and is not in the Hugging Face cache, "

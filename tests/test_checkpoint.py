@@ -1,0 +1,136 @@
+"""Loading checkpoints: formats, hub ids, and a clear message for every failure."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember import Embedder
+from ember.errors import CheckpointError, UnsupportedModelError
+from ember.models.checkpoint import resolve_model
+from ember.testing import build_bert
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    return build_bert(tmp_path_factory.mktemp("bert"))
+
+
+@pytest.fixture(scope="module")
+def reference(bert_dir):
+    return Embedder(str(bert_dir), dtype="float32").embed(["a test sentence", "another"]).vectors
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_pytorch_model_bin_loads_with_weights_only(bert_dir, reference, tmp_path):
+    path = _copy(bert_dir, tmp_path)
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    torch.save(state, path / "pytorch_model.bin")
+    got = Embedder(str(path), dtype="float32").embed(["a test sentence", "another"]).vectors
+    np.testing.assert_array_equal(got, reference)
+
+
+def test_sharded_safetensors_load(bert_dir, reference, tmp_path):
+    path = _copy(bert_dir, tmp_path)
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, path / file)
+        weight_map.update(dict.fromkeys(keys, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got = Embedder(str(path), dtype="float32").embed(["a test sentence", "another"]).vectors
+    np.testing.assert_array_equal(got, reference)
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(path, fn):
+    state = load_file(path / "model.safetensors")
+    fn(state)
+    save_file(state, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "breakage, error, needle",
+    [
+        (lambda p: (p / "config.json").unlink(), CheckpointError, "no config.json"),
+        (lambda p: (p / "tokenizer.json").unlink(), CheckpointError, "no tokenizer.json"),
+        (lambda p: (p / "model.safetensors").unlink(), CheckpointError, "no weights"),
+        (lambda p: _edit_config(p, architectures=["LlamaForCausalLM"]), UnsupportedModelError, "BertModel"),
+        (
+            lambda p: _edit_weights(p, lambda s: s.pop("encoder.layer.1.output.dense.weight")),
+            CheckpointError,
+            "missing ['encoder.layer.1.output.dense.weight']",
+        ),
+        (
+            lambda p: _edit_weights(p, lambda s: s.update(extra=torch.zeros(1))),
+            CheckpointError,
+            "unexpected ['extra']",
+        ),
+        (lambda p: _edit_config(p, hidden_size=32), CheckpointError, "has shape"),
+        (lambda p: (p / "config.json").write_text("{oops"), CheckpointError, "cannot parse"),
+    ],
+    ids=[
+        "no-config",
+        "no-tokenizer",
+        "no-weights",
+        "architecture",
+        "missing-key",
+        "unexpected-key",
+        "shape",
+        "bad-json",
+    ],
+)
+def test_every_failure_names_the_file_or_key(bert_dir, tmp_path, breakage, error, needle):
+    path = _copy(bert_dir, tmp_path)
+    breakage(path)
+    with pytest.raises(error) as e:
+        Embedder(str(path))
+    assert needle in str(e.value)
+
+
+def test_hub_id_offline_and_not_cached_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache"):
+        resolve_model("BAAI/bge-small-en-v1.5")
+
+
+def test_hub_id_found_in_the_hf_cache(monkeypatch, tmp_path, bert_dir):
+    # lay out a hub cache snapshot by hand, as huggingface_hub would after a download
+    repo = tmp_path / "hub" / "models--acme--tiny-bert"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(bert_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model("acme/tiny-bert", None, cache_dir=str(tmp_path / "hub")) == snapshot
+
+
+def test_not_a_directory_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        resolve_model(str(tmp_path / "nope" / "deeper" / "x"))

@@ -1,0 +1,122 @@
+"""ember's models against the reference implementation on the same (tiny, random) weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from corpus import SENTENCES
+from ember import Embedder
+from ember.testing import build_bert, build_qwen3
+
+TEXTS = SENTENCES[:12] + [SENTENCES[50]]  # short and long, mixed
+
+
+def cos(a, b):
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def st_reference(path, texts, **kw):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    return model.encode(texts, convert_to_numpy=True, batch_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir):
+    return Embedder(str(qwen3_dir), dtype="float32")
+
+
+def test_qwen3_matches_sentence_transformers_in_float32(qwen3, qwen3_dir):
+    ours, counts = qwen3.embed(TEXTS)
+    ref = st_reference(qwen3_dir, TEXTS)
+    assert cos(ours, ref).min() >= 0.99999
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    assert counts == [len(tok(t)["input_ids"]) for t in TEXTS]
+
+
+def test_qwen3_appends_endoftext_and_pools_it(qwen3, qwen3_dir):
+    ids = qwen3.tokenizer.encode("hello world")
+    assert ids[-1] == 151643 and ids.count(151643) == 1
+    # token ids are used as given: no second <|endoftext|>
+    by_ids, counts = qwen3.embed([ids])
+    by_text, _ = qwen3.embed(["hello world"])
+    assert counts == [len(ids)] and cos(by_ids, by_text)[0] > 0.999999
+    # LAST pooling reads the <|endoftext|> state: the reference, pooled by hand from transformers
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+    assert cos(by_text[0], hidden) >= 0.99999
+
+
+def test_qwen3_prompts_by_name(qwen3, qwen3_dir):
+    ours, counts = qwen3.embed(["what is ember?"], prompt_name="query")
+    ref = st_reference(qwen3_dir, ["what is ember?"], prompt_name="query")
+    assert cos(ours, ref).min() >= 0.99999
+    assert counts[0] > len(qwen3.tokenizer.encode("what is ember?"))
+
+
+def test_qwen3_bfloat16_stays_close(qwen3_dir):
+    ours, _ = Embedder(str(qwen3_dir), dtype="bfloat16").embed(TEXTS)
+    assert cos(ours, st_reference(qwen3_dir, TEXTS)).min() >= 0.999
+
+
+def test_qwen3_causal_lm_checkpoint_with_model_prefix(tmp_path, qwen3):
+    path = build_qwen3(tmp_path, with_model_prefix=True)
+    ours, _ = Embedder(str(path), dtype="float32").embed(TEXTS[:3])
+    expected, _ = qwen3.embed(TEXTS[:3])  # same seed, same weights, other key layout
+    assert cos(ours, expected).min() >= 0.999999
+
+
+def test_batch_invariance_and_packed_equals_padded(qwen3):
+    batch, _ = qwen3.embed(TEXTS)
+    alone = np.stack([qwen3.embed([t]).vectors[0] for t in TEXTS])
+    assert cos(batch, alone).min() >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kind": "bert", "st_pooling": "mean"},
+        {"kind": "bert", "st_pooling": "cls", "pooling_format": "compact", "with_model_prefix": True},
+        {"kind": "bert", "st_pooling": "mean", "dense_out": 24},
+        {"kind": "bert", "st_pooling": "mean", "normalize": False},
+        {"kind": "xlm-roberta", "st_pooling": "mean"},
+        {"kind": "xlm-roberta", "st_pooling": "cls", "with_model_prefix": True, "dense_out": 16},
+    ],
+    ids=["bert-mean", "bert-cls-compact-prefixed", "bert-dense", "bert-no-normalize", "xlmr-mean", "xlmr-cls-dense"],
+)
+def test_encoders_match_sentence_transformers(tmp_path, kw):
+    path = build_bert(tmp_path, **kw)
+    embedder = Embedder(str(path), dtype="float32")
+    ours, counts = embedder.embed(TEXTS)
+    ref = st_reference(path, TEXTS)
+    assert ours.shape == ref.shape
+    assert cos(ours, ref).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(ref, axis=1), rtol=1e-4)
+    alone = np.stack([embedder.embed([t]).vectors[0] for t in TEXTS])
+    assert cos(ours, alone).min() >= 0.99999
+    bf16, _ = Embedder(str(path), dtype="bfloat16").embed(TEXTS)
+    assert cos(bf16, ref).min() >= 0.999
+
+
+def test_matryoshka_dimensions_truncate_before_normalising(tmp_path):
+    path = build_bert(tmp_path)
+    full = Embedder(str(path), dtype="float32")
+    with pytest.raises(Exception, match="does not support matryoshka"):
+        full.embed(["x"], dimensions=8)
+    mrl = Embedder(str(path), dtype="float32", hf_overrides={"is_matryoshka": True})
+    short, _ = mrl.embed(["some text"], dimensions=8)
+    long, _ = mrl.embed(["some text"], normalize=False)
+    expected = long[0, :8] / np.linalg.norm(long[0, :8])
+    np.testing.assert_allclose(short[0], expected, atol=1e-6)
