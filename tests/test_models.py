@@ -8,7 +8,7 @@ from corpus import SENTENCES
 from ember import Embedder
 from ember.testing import build_bert, build_qwen3
 
-TEXTS = SENTENCES[:12] + [SENTENCES[50]]  # short and long, mixed
+TEXTS = [*SENTENCES[:12], SENTENCES[50]]  # short and long, mixed
 
 
 def cos(a, b):
@@ -99,7 +99,7 @@ def test_batch_invariance_and_packed_equals_padded(qwen3):
 def test_encoders_match_sentence_transformers(tmp_path, kw):
     path = build_bert(tmp_path, **kw)
     embedder = Embedder(str(path), dtype="float32")
-    ours, counts = embedder.embed(TEXTS)
+    ours, _ = embedder.embed(TEXTS)
     ref = st_reference(path, TEXTS)
     assert ours.shape == ref.shape
     assert cos(ours, ref).min() >= 0.99999

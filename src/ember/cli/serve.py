@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -39,6 +40,12 @@ def run(args: argparse.Namespace, unknown: list[str]) -> int:
     except EmberError as e:
         log.error("%s", e)
         return 2
+
+
+def uvicorn_server() -> type:
+    import uvicorn
+
+    return uvicorn.Server
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -88,5 +95,14 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=int(args.shutdown_grace),
     )
-    uvicorn.Server(config).run()
+    _Server(config).run()
     return 0
+
+
+class _Server(uvicorn_server()):  # type: ignore[misc]
+    """uvicorn's server, but a drained SIGTERM is a clean exit (status 0), as orchestrators expect."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            getattr(self, "_captured_signals", []).clear()  # uvicorn would re-raise it after draining

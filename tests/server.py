@@ -1,0 +1,49 @@
+"""Starting `ember serve` as a real subprocess for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path, timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "ember.cli.main", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ember serve exited with {self.proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ember serve did not become healthy:\n{log.read_text()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()

@@ -1,0 +1,194 @@
+"""`ember serve` as a real process, driven by the clients teams use: OpenAI SDK, LiteLLM, LangChain, LlamaIndex."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from corpus import SENTENCES
+from ember import Embedder
+from ember.testing import build_bert
+from server import Server
+
+KEY = "test-key"
+NAME = "tiny-bert"
+
+
+def cos(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_bert(tmp_path_factory.mktemp("bert"), layers=2, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    args = [
+        str(model_dir),
+        "--served-model-name",
+        NAME,
+        "alias",
+        "--api-key",
+        KEY,
+        "--dtype",
+        "float32",
+        "--hf-overrides",
+        '{"is_matryoshka": true}',
+        "--max-model-len",
+        "64",
+    ]
+    srv = Server(args, log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return Embedder(str(model_dir), dtype="float32", max_model_len=64, hf_overrides={"is_matryoshka": True})
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_sdk_default_call_decodes_base64(client, offline):
+    r = client.embeddings.create(model=NAME, input=["hello there", "general kenobi"])
+    expected, counts = offline.embed(["hello there", "general kenobi"])
+    assert [d.index for d in r.data] == [0, 1]
+    for d, e in zip(r.data, expected, strict=True):
+        assert cos(d.embedding, e) >= 0.99999
+    assert r.usage.prompt_tokens == sum(counts) == r.usage.total_tokens and r.model == NAME
+
+
+def test_openai_sdk_float_dimensions_tokens_and_a_batch_of_100(client, offline):
+    r = client.embeddings.create(model=NAME, input="float please", encoding_format="float")
+    assert cos(r.data[0].embedding, offline.embed(["float please"]).vectors[0]) >= 0.99999
+    r = client.embeddings.create(model=NAME, input="short", dimensions=16)
+    assert len(r.data[0].embedding) == 16 and abs(np.linalg.norm(r.data[0].embedding) - 1) < 1e-5
+    ids = offline.tokenizer.encode("token ids in")
+    r = client.embeddings.create(model=NAME, input=[ids])
+    assert r.usage.prompt_tokens == len(ids)
+    texts = [SENTENCES[i % len(SENTENCES)] for i in range(100)]
+    r = client.embeddings.create(model="alias", input=texts, extra_body={"truncate_prompt_tokens": -1})
+    expected, counts = offline.embed(texts, truncate_prompt_tokens=-1)
+    assert len(r.data) == 100 and r.usage.prompt_tokens == sum(counts)
+    assert min(cos(d.embedding, e) for d, e in zip(r.data, expected, strict=True)) >= 0.99999
+
+
+def test_openai_sdk_errors_are_its_exception_types(server, client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 64 tokens"):
+        client.embeddings.create(model=NAME, input=[[5] * 65])
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.embeddings.create(model=NAME, input="x")
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=NAME, input=[])
+    assert client.embeddings.create(model=NAME, input=[[5] * 64]).usage.prompt_tokens == 64
+
+
+def test_encoding_format_null_and_raw_http(server, offline):
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": NAME, "input": "null format", "encoding_format": None},
+    )
+    assert r.status_code == 200
+    assert cos(r.json()["data"][0]["embedding"], offline.embed(["null format"]).vectors[0]) >= 0.99999
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": NAME, "input": "b64", "encoding_format": "base64"},
+    )
+    vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    assert cos(vec, offline.embed(["b64"]).vectors[0]) >= 0.99999
+
+
+def test_litellm_openai_and_hosted_vllm_prefixes(server, offline):
+    import litellm
+
+    expected = offline.embed(["litellm text"]).vectors[0]
+    for prefix in ("openai/", "hosted_vllm/"):
+        r = litellm.embedding(model=prefix + NAME, input=["litellm text"], api_base=server.url + "/v1", api_key=KEY)
+        assert cos(r.data[0]["embedding"], expected) >= 0.99999
+        assert r.usage.prompt_tokens == offline.embed(["litellm text"]).token_counts[0]
+
+
+def test_langchain_openai_embeddings(server, offline):
+    import langchain_openai as lc
+
+    emb = lc.OpenAIEmbeddings(model=NAME, base_url=server.url + "/v1", api_key=KEY, check_embedding_ctx_length=False)
+    docs = emb.embed_documents(["doc one", "doc two"])
+    query = emb.embed_query("a query")
+    expected = offline.embed(["doc one", "doc two", "a query"]).vectors
+    assert min(cos(a, b) for a, b in zip([*docs, query], expected, strict=True)) >= 0.99999
+
+
+def test_llamaindex_openai_like_embedding(server, offline):
+    import llama_index.embeddings.openai_like as mod
+
+    emb = mod.OpenAILikeEmbedding(model_name=NAME, api_base=server.url + "/v1", api_key=KEY)
+    vec = emb.get_text_embedding("llama text")
+    assert cos(vec, offline.embed(["llama text"]).vectors[0]) >= 0.99999
+
+
+def test_32_concurrent_clients_get_the_offline_vectors(server, offline):
+    texts = [SENTENCES[i % len(SENTENCES)] * (1 + i % 3) for i in range(96)]
+    requests = [texts[i : i + 3] for i in range(0, 96, 3)]  # 32 requests of 3 inputs
+
+    def call(batch):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        r = c.embeddings.create(model=NAME, input=batch, extra_body={"truncate_prompt_tokens": -1})
+        return [d.embedding for d in r.data], r.usage.prompt_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(call, requests))
+    vectors = [v for vs, _ in results for v in vs]
+    expected, counts = offline.embed(texts, truncate_prompt_tokens=-1)
+    assert min(cos(a, b) for a, b in zip(vectors, expected, strict=True)) >= 0.99999
+    assert sum(n for _, n in results) == sum(counts)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "ember_batch_sequences_count" in metrics
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir, tmp_path):
+    srv = Server([str(model_dir), "--dtype", "float32", "--shutdown-grace", "20"], tmp_path / "log")
+    results = []
+
+    def slow_request():
+        texts = ["x " * 400] * 64
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts, "truncate_prompt_tokens": -1}, timeout=60)
+        results.append(r.status_code)
+
+    t = threading.Thread(target=slow_request)
+    t.start()
+    time.sleep(0.3)
+    srv.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert srv.proc.wait(60) == 0
+    assert results == [200]
+
+
+def test_bundled_default_model_serves_with_no_model_named(tmp_path):
+    srv = Server([], tmp_path / "log")
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["sentence-transformers/all-MiniLM-L6-v2"]
+        r = c.embeddings.create(model="sentence-transformers/all-MiniLM-L6-v2", input=["Hello world."])
+        assert len(r.data[0].embedding) == 384
+    finally:
+        assert srv.stop() == 0
