@@ -34,6 +34,8 @@ class PoolerConfig:
     """Embed inputs longer than max-model-len as windows and merge them (token-weighted mean)."""
     max_embed_len: int | None = None
     """With chunked processing, the longest input accepted, in tokens (None: no limit)."""
+    chunk_overlap: int = 0
+    """ember extension: tokens each window shares with the previous one (at most half a window)."""
 
     @classmethod
     def parse(cls, raw: str | dict[str, Any] | None, flag: str = "--pooler-config") -> PoolerConfig:
@@ -75,6 +77,9 @@ def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
     for name in ("normalize", "enable_chunked_processing"):
         if name in kw and kw[name] is not None and not isinstance(kw[name], bool):
             raise ConfigError(f"{flag}: {name} must be true or false, got {kw[name]!r}")
+    overlap = kw.get("chunk_overlap", 0)
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
+        raise ConfigError(f"{flag}: chunk_overlap must be a non-negative integer, got {overlap!r}")
     for name in ("dimensions", "max_embed_len"):
         value = kw.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -105,11 +110,13 @@ class EngineConfig:
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
+    auto_truncate: bool = False
+    """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value <= 0:
+            if not isinstance(value, bool) and value <= 0:
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
 
 

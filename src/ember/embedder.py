@@ -42,6 +42,7 @@ class Embedder:
         hf_overrides: dict[str, Any] | None = None,
         max_batch_tokens: int = 8192,
         max_batch_seqs: int = 256,
+        auto_truncate: bool = False,
     ) -> None:
         pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
         self._loaded: Loaded = load(
@@ -55,6 +56,7 @@ class Embedder:
         self.pooler = pooler
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
+        self.auto_truncate = auto_truncate
 
     @property
     def info(self) -> ModelInfo:
@@ -82,7 +84,7 @@ class Embedder:
         seqs = tokenize(tokenizer, split_inputs(inputs), self._prompt(prompt_name))
         fitted = [
             fit_length(ids, info.max_model_len, tokenizer.special_tokens, truncate_to=truncate_prompt_tokens,
-                       side=truncation_side, pooler=self.pooler)
+                       side=truncation_side, pooler=self.pooler, auto_truncate=self.auto_truncate)
             for ids in seqs
         ]  # fmt: skip
         windows = [f.windows for f in fitted]

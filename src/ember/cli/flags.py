@@ -96,6 +96,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=parse_size, default=8 * 1024 * 1024, help="largest body before 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
+    p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
     p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
     p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')
     p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])

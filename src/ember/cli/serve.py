@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens or 64 * batch_tokens,
+        auto_truncate=args.truncate,
     )
     engine = build_engine(loaded, engine_config, pooler)
     names = tuple(args.served_model_name or [loaded.info.name])

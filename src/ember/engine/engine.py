@@ -177,6 +177,7 @@ class AsyncEngine:
             truncate_to=params.truncate_prompt_tokens,
             side=params.truncation_side,
             pooler=self.pooler,
+            auto_truncate=self.config.auto_truncate,
         )
 
     def _overloaded(self) -> OverloadedError:

@@ -111,7 +111,7 @@ def fit_length(
     truncate_to: int | None = None,
     side: str | None = None,
     pooler: PoolerConfig | None = None,
-    overlap: int = 0,
+    auto_truncate: bool = False,
 ) -> Fitted:
     """The windows to embed for one input: itself, truncated, or split when chunking is on."""
     pooler = pooler or PoolerConfig()
@@ -120,6 +120,9 @@ def fit_length(
     if len(ids) <= max_model_len:
         return Fitted([ids], len(ids))
     if not pooler.enable_chunked_processing:
+        if auto_truncate:
+            kept = truncate(ids, max_model_len, side or "right", specials)
+            return Fitted([kept], len(kept))
         check_length(len(ids), max_model_len)
     if pooler.max_embed_len is not None and len(ids) > pooler.max_embed_len:
         raise InputTooLongError(
@@ -128,7 +131,7 @@ def fit_length(
             "of the input.",
             "input",
         )
-    return Fitted(split_windows(ids, max_model_len, specials, overlap), len(ids))
+    return Fitted(split_windows(ids, max_model_len, specials, pooler.chunk_overlap), len(ids))
 
 
 def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: Specials) -> list[int]:
