@@ -49,8 +49,9 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["qwen3", "bert", "xlm-roberta"])
 def test_merged_vector_is_the_normalised_token_weighted_mean_of_windows(models, arch):
-    chunked = Embedder(str(models[arch]), dtype="float32", max_model_len=16,
-                       pooler_config={"enable_chunked_processing": True})
+    chunked = Embedder(
+        str(models[arch]), dtype="float32", max_model_len=16, pooler_config={"enable_chunked_processing": True}
+    )
     text = " ".join(f"word{i} and more" for i in range(20))
     ids = chunked.tokenizer.encode(text)
     merged, counts = chunked.embed([text])
@@ -90,7 +91,9 @@ def test_length_boundaries_over_http(models, arch):
                 else:
                     assert r.status_code == 400
                     msg = r.json()["error"]["message"]
-                    assert msg.startswith(f"This model's maximum context length is {M} tokens. However, you requested {n} tokens")
+                    assert msg.startswith(
+                        f"This model's maximum context length is {M} tokens. However, you requested {n} tokens"
+                    )
 
 
 def test_auto_truncate_and_max_embed_len(models):
@@ -100,8 +103,12 @@ def test_auto_truncate_and_max_embed_len(models):
     assert counts == [16]
     explicit, _ = cut.embed([text], truncate_prompt_tokens=16)
     np.testing.assert_allclose(vec, explicit, atol=1e-6)
-    capped = Embedder(str(models["bert"]), dtype="float32", max_model_len=16,
-                      pooler_config={"enable_chunked_processing": True, "max_embed_len": 32})
+    capped = Embedder(
+        str(models["bert"]),
+        dtype="float32",
+        max_model_len=16,
+        pooler_config={"enable_chunked_processing": True, "max_embed_len": 32},
+    )
     assert capped.embed([" ".join(["word"] * 30)]).token_counts == [32]
     with pytest.raises(Exception, match="maximum embedding input length is 32 tokens"):
         capped.embed([text])
