@@ -16,6 +16,7 @@ from torch import nn
 from ember.errors import UnsupportedModelError
 from ember.ops.attention import varlen_attention
 from ember.ops.norms import layer_norm
+from ember.ops.tokenwise import by_token_slices
 
 __all__ = ["BertArgs", "BertModel"]
 
@@ -147,6 +148,9 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         x = self.attention(x, seqlens)
+        return by_token_slices(self._feed_forward, x)
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.intermediate(x), x)
 
 

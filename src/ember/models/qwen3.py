@@ -16,6 +16,7 @@ from torch import nn
 from ember.ops.attention import varlen_attention
 from ember.ops.norms import rms_norm
 from ember.ops.rope import apply_rope, rope_cos_sin
+from ember.ops.tokenwise import by_token_slices
 
 __all__ = ["Qwen3Args", "Qwen3Model"]
 
@@ -102,6 +103,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqlens)
+        return by_token_slices(self._mlp_residual, x)
+
+    def _mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -34,15 +34,12 @@ def group_by_length(seqlens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None):
-    # q: (B, Hq, L, D); k, v: (B, Hkv, L, D)
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)  # (B, Hq, L, D)
-        v = v.repeat_interleave(repeat, dim=1)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    # q: (B, Hq, L, D); k, v: (B, Hkv, L, D); grouped-query heads are shared inside the kernel
+    gqa = k.shape[1] != q.shape[1]
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
 def varlen_attention(
@@ -57,12 +54,22 @@ def varlen_attention(
         starts.append(starts[-1] + n)
     out = torch.empty_like(q)
     for group in group_by_length(seqlens):
+        if _is_run(group, seqlens):  # consecutive, equal lengths: a view, no gather or scatter
+            s, n, b = starts[group[0]], seqlens[group[0]], len(group)
+            views = (t[s : s + n * b].unflatten(0, (b, n)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+            out[s : s + n * b] = _sdpa(*views, causal, None).transpose(1, 2).flatten(0, 1)
+            continue
         if len(group) == 1:
             s, n = starts[group[0]], seqlens[group[0]]
             out[s : s + n] = varlen_attention(q[s : s + n], k[s : s + n], v[s : s + n], [n], causal)
             continue
         _padded_group(q, k, v, out, [starts[i] for i in group], [seqlens[i] for i in group], causal)
     return out
+
+
+def _is_run(group: list[int], seqlens: list[int]) -> bool:
+    first = group[0]
+    return len(group) > 1 and all(i == first + j and seqlens[i] == seqlens[first] for j, i in enumerate(group))
 
 
 def _padded_group(
