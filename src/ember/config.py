@@ -134,3 +134,5 @@ class ServerConfig:
     """Largest request body accepted before 413 (--max-request-bytes)."""
     shutdown_grace_seconds: float = 30.0
     """How long SIGTERM waits for in-flight requests (--shutdown-grace)."""
+    memory_budget_bytes: int = 0
+    """The memory ember sized itself to, exported in /metrics."""

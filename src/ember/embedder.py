@@ -11,11 +11,12 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from ember.config import DType, PoolerConfig, check_dtype
-from ember.engine.build import Loaded, load
+from ember.engine.build import Loaded, load, set_threads
 from ember.engine.inputs import check_dimensions, fit_length, split_inputs, tokenize
 from ember.engine.scheduler import plan_batches
 from ember.errors import InputError
 from ember.ops.head import embed_windows
+from ember.resources import cpu_budget
 from ember.types import ModelInfo
 
 __all__ = ["Embedder", "Embeddings"]
@@ -43,7 +44,9 @@ class Embedder:
         max_batch_tokens: int = 8192,
         max_batch_seqs: int = 256,
         auto_truncate: bool = False,
+        threads: int | None = None,
     ) -> None:
+        set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
         pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
         self._loaded: Loaded = load(
             model,

@@ -42,6 +42,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     metrics.watch(metrics.queued_tokens, lambda: engine.queued_tokens)
     metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
     metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
+    metrics.memory_budget.set(config.memory_budget_bytes)
     engine.observer = metrics.observe_batch
     install_error_handlers(app)
     app.include_router(inference)

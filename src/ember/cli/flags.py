@@ -90,9 +90,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (float16/half run as bfloat16)")
     p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
-    p.add_argument("--max-num-batched-tokens", type=parse_size, default=None, help="token budget of one batch")
+    p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
-    p.add_argument("--max-queued-tokens", type=parse_size, default=None, help="tokens queued before 429")
+    p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
     p.add_argument("--max-request-bytes", type=parse_size, default=8 * 1024 * 1024, help="largest body before 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
@@ -103,6 +103,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"])
     p.add_argument("--task", default=None, help="deprecated vLLM flag; embed/embedding accepted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the container's CPUs)")
+    p.add_argument("--cpu-bind", default=None, help="auto, nobind or a CPU list like 0-3 (VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--memory-limit", default=None, help="memory to plan for, e.g. 4G (default: cgroup limit)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for flag in IGNORED_FLAGS:
         if flag in _IGNORED_SWITCHES:

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from ember.cli.flags import add_serve_flags, api_keys, check_runner, parse_json_flag, warn_ignored
+from ember.cli.runtime import maybe_reexec_with_allocator, parse_bytes, prepare_process
 from ember.errors import EmberError
 
 __all__ = ["add_parser", "run"]
@@ -36,7 +37,9 @@ def run(args: argparse.Namespace, unknown: list[str]) -> int:
         if flag.startswith("-"):
             log.warning("unknown flag %s ignored", flag)
     try:
-        return _serve(args)
+        maybe_reexec_with_allocator(sys.argv[1:])
+        plan = prepare_process(args.threads, args.cpu_bind)
+        return _serve(args, plan.threads)
     except EmberError as e:
         log.error("%s", e)
         return 2
@@ -48,13 +51,14 @@ def uvicorn_server() -> type:
     return uvicorn.Server
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, threads: int) -> int:
     import uvicorn
 
     from ember.api.app import create_app
     from ember.config import EngineConfig, PoolerConfig, ServerConfig, check_dtype
-    from ember.engine.build import build_engine, load
+    from ember.engine.build import Limits, build_engine, load, set_threads
 
+    set_threads(threads)
     check_runner(args)
     warn_ignored(args)
     pooler = PoolerConfig.parse(args.pooler_config or args.override_pooler_config)
@@ -68,16 +72,20 @@ def _serve(args: argparse.Namespace) -> int:
         download_dir=args.download_dir,
         served_name=(args.served_model_name or [None])[0],
         hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+        limits=Limits(
+            batch_tokens=args.max_num_batched_tokens,
+            queued_tokens=args.max_queued_tokens,
+            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        ),
     )
-    batch_tokens = args.max_num_batched_tokens or max(16384, loaded.info.max_model_len)
     engine_config = EngineConfig(
-        max_num_batched_tokens=batch_tokens,
+        max_num_batched_tokens=loaded.memory.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens or 64 * batch_tokens,
+        max_queued_tokens=loaded.memory.max_queued_tokens,
         auto_truncate=args.truncate,
     )
-    engine = build_engine(loaded, engine_config, pooler)
+    engine = build_engine(loaded, engine_config, pooler, tokenizer_threads=min(threads, 4))
     names = tuple(args.served_model_name or [loaded.info.name])
     server = ServerConfig(
         served_model_names=names,
@@ -85,6 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=api_keys(args.api_key),
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_seconds=args.shutdown_grace,
+        memory_budget_bytes=loaded.memory.budget_bytes,
     )
     app = create_app(engine, server)
     log.info("serving %s as %s on http://%s:%d", loaded.info.name, names[0], args.host, args.port)

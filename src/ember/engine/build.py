@@ -7,6 +7,7 @@ device, stream the weights in, then build the tokenizer and the runner.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -20,27 +21,48 @@ from ember.config import DType, EngineConfig, PoolerConfig
 from ember.engine.engine import AsyncEngine
 from ember.errors import CheckpointError, ConfigError
 from ember.hardware import has_fast_bf16
-from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, read_config, resolve_model
+from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, parameter_count, read_config, resolve_model
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
+from ember.ops.tokenwise import TOKEN_SLICE
+from ember.resources import MemoryBudget, memory_budget
+from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["Loaded", "build_engine", "load", "torch_dtype"]
+__all__ = ["Limits", "Loaded", "build_engine", "load", "set_threads", "torch_dtype"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Loaded:
-    """A model ready to embed: its tokenizer, its runner and what it is."""
+    """A model ready to embed: its tokenizer, its runner, what it is and the memory it planned for."""
 
     tokenizer: Tokenizer
     runner: Any  # TorchRunner; Any keeps this record importable without the runner's type
     info: ModelInfo
     path: Path
     load_seconds: float
+    memory: MemoryPlan
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the operator asked for, before it is fitted into memory."""
+
+    batch_tokens: int = 2048
+    queued_tokens: int = 1_000_000
+    memory_limit: int | None = None
+    """Bytes to plan for instead of the detected cgroup limit or available memory (--memory-limit)."""
+
+
+def set_threads(threads: int) -> None:
+    """Size torch's intra-op pool (OMP, MKL, oneDNN follow it) and keep inter-op work on one thread."""
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # settable only before the first parallel region
+        torch.set_num_interop_threads(1)
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
@@ -60,6 +82,8 @@ def load(
     download_dir: str | None = None,
     served_name: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    limits: Limits | None = None,
+    memory: MemoryBudget | None = None,
 ) -> Loaded:
     """Load `model` (local directory, hub id, or None for the bundled default)."""
     from ember.engine.runner import TorchRunner
@@ -71,6 +95,8 @@ def load(
     st = read_st_modules(path)
     pooling = resolve_pooling(st, pooler or PoolerConfig(), is_decoder=getattr(cls, "is_decoder", False))
     dt = torch_dtype(dtype)
+    st_max = st.max_seq_length
+    plan = _plan_memory(path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max)
     net = _load_weights(cls, config, path, dt)
     dense = [Dense.load(d) for d in st.dense_dirs]
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
@@ -93,7 +119,33 @@ def load(
         info.name, arch, info.dtype, pooling.method, " + normalize" if pooling.normalize else "",
         pooling.source, info.max_model_len, seconds,
     )  # fmt: skip
-    return Loaded(tokenizer, TorchRunner(net, info, dense), info, path, seconds)
+    log.info("%s", plan.describe())
+    return Loaded(tokenizer, TorchRunner(net, info, dense), info, path, seconds, plan)
+
+
+def _plan_memory(
+    path: Path,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    limits: Limits,
+    memory: MemoryBudget,
+    max_model_len: int | None,
+    st_max: int | None,
+) -> MemoryPlan:
+    """Check the model fits before reading any weight, and size the token budgets to the memory."""
+    size = dtype.itemsize
+    positions = config.get("max_position_embeddings", 512)
+    longest = max_model_len or min(positions, st_max or positions)
+    return plan_memory(
+        memory,
+        weights_bytes=parameter_count(path) * size,
+        per_token_bytes=activation_bytes_per_token(config, size),
+        fixed_bytes=TOKEN_SLICE * size * 3 * config.get("intermediate_size", 4 * config["hidden_size"]),
+        max_model_len=longest,
+        batch_tokens=limits.batch_tokens,
+        queued_tokens=limits.queued_tokens,
+        limit_override=limits.memory_limit,
+    )
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:

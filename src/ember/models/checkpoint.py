@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from ember.errors import CheckpointError
 
-__all__ = ["DEFAULT_MODEL", "iter_weights", "read_config", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "iter_weights", "parameter_count", "read_config", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +134,17 @@ def _read_bin(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     except Exception as e:  # torch.load raises many types (UnpicklingError, RuntimeError, ...)
         raise CheckpointError(f"cannot read {file} (loaded with weights_only=True): {e}") from None
     yield from state.items()
+
+
+def parameter_count(path: Path) -> int:
+    """Number of weights in the checkpoint, read from file headers without loading tensors."""
+    total = 0
+    for file in weight_files(path):
+        if file.suffix == ".bin":
+            total += sum(t.numel() for _, t in _read_bin(file))
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shape = f.get_slice(name).get_shape()
+                total += int(torch.tensor(shape).prod().item()) if shape else 1
+    return total

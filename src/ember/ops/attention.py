@@ -56,8 +56,8 @@ def varlen_attention(
     for group in group_by_length(seqlens):
         if _is_run(group, seqlens):  # consecutive, equal lengths: a view, no gather or scatter
             s, n, b = starts[group[0]], seqlens[group[0]], len(group)
-            views = (t[s : s + n * b].unflatten(0, (b, n)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
-            out[s : s + n * b] = _sdpa(*views, causal, None).transpose(1, 2).flatten(0, 1)
+            qv, kv, vv = (t[s : s + n * b].unflatten(0, (b, n)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+            out[s : s + n * b] = _sdpa(qv, kv, vv, causal, None).transpose(1, 2).flatten(0, 1)
             continue
         if len(group) == 1:
             s, n = starts[group[0]], seqlens[group[0]]

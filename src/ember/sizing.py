@@ -1,0 +1,147 @@
+"""Sizing ember to its container: how many threads, and how many tokens fit in memory (pure).
+
+The inputs are what `resources` detected and what the operator asked for; the outputs are
+the numbers ember runs with and the reasons it gives for them at startup and in `ember doctor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ember.errors import ConfigError
+from ember.resources import CpuBudget, MemoryBudget, parse_cpu_list
+
+__all__ = ["MemoryPlan", "ThreadPlan", "activation_bytes_per_token", "plan_memory", "plan_threads"]
+
+GIB = 1024**3
+RUNTIME_BYTES = 450 * 1024**2
+"""Python, torch, tokenizers and the server before any weight is loaded (measured: ~400 MB)."""
+SAFETY = 0.9
+"""Fraction of the available memory ember plans to use; the rest is headroom for the allocator."""
+QUEUED_TOKEN_BYTES = 64
+"""Memory a queued token costs (a Python int in a list, its share of the request text)."""
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int
+    reason: str
+    bind: tuple[int, ...] | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def plan_threads(
+    cpu: CpuBudget, requested: int | None = None, omp_env: str | None = None, bind: str | None = None
+) -> ThreadPlan:
+    """Threads from --threads, else an explicit OMP_NUM_THREADS, else the usable CPUs."""
+    warnings: list[str] = []
+    cpus = _bind_list(bind)
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--threads must be at least 1, got {requested}")
+        threads, reason = requested, f"--threads {requested}"
+    elif omp_env:
+        try:
+            threads = int(omp_env)
+        except ValueError:
+            raise ConfigError(f"OMP_NUM_THREADS={omp_env!r} is not a number") from None
+        reason = f"OMP_NUM_THREADS={threads}"
+    elif cpus:
+        threads, reason = len(cpus), f"one thread per bound CPU ({len(cpus)})"
+    else:
+        threads, reason = cpu.usable, f"usable CPUs: {cpu.source}"
+    if threads > cpu.usable:
+        warnings.append(
+            f"{reason} is above the {cpu.usable} CPU(s) this process may use ({cpu.source}): "
+            "threads will be throttled by the CPU quota; use at most that many"
+        )
+    if bind == "auto":
+        cpus = tuple(sorted(_affinity_set())[:threads])
+    return ThreadPlan(threads, reason, cpus or None, tuple(warnings))
+
+
+def _bind_list(bind: str | None) -> tuple[int, ...]:
+    if bind in (None, "", "auto", "nobind"):
+        return ()
+    try:
+        cpus = parse_cpu_list(bind.split("|")[0])
+    except ValueError as e:
+        raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND / --cpu-bind {bind!r}: {e}") from None
+    allowed = _affinity_set()
+    if not cpus <= allowed:
+        raise ConfigError(f"--cpu-bind {bind!r} names CPUs outside this process's affinity {sorted(allowed)}")
+    return tuple(sorted(cpus))
+
+
+def _affinity_set() -> set[int]:
+    import os
+
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def activation_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
+    """Peak activation memory per batched token (the residual stream, q/k/v, attention output, norms)."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    qkv = (heads + 2 * kv) * head_dim
+    # residual + normed input + attention output + projection: ~6 hidden-wide tensors live at once,
+    # q/k/v twice (projection and rotated copy), and float32 copies inside the norms.
+    return dtype_bytes * (6 * hidden + 2 * qkv + heads * head_dim) + 2 * 4 * hidden
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    weights_bytes: int
+    per_token_bytes: int
+    fixed_bytes: int
+    max_batch_tokens: int
+    max_queued_tokens: int
+    source: str
+
+    def describe(self) -> str:
+        return (
+            f"memory budget {self.budget_bytes / GIB:.2f} GiB ({self.source}): "
+            f"weights {self.weights_bytes / GIB:.2f} GiB, "
+            f"runtime {RUNTIME_BYTES / GIB:.2f} GiB, {self.per_token_bytes / 1024:.0f} KiB per batched token "
+            f"-> batches of up to {self.max_batch_tokens} tokens, {self.max_queued_tokens} tokens queued"
+        )
+
+
+def plan_memory(
+    memory: MemoryBudget,
+    *,
+    weights_bytes: int,
+    per_token_bytes: int,
+    fixed_bytes: int,
+    max_model_len: int,
+    batch_tokens: int,
+    queued_tokens: int,
+    limit_override: int | None = None,
+) -> MemoryPlan:
+    """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit."""
+    available = limit_override or memory.available_bytes
+    parts = memory.source.split("; ")
+    source = "--memory-limit" if limit_override else parts[0] if memory.limit_bytes else parts[-1]
+    budget = int(available * SAFETY)
+    left = budget - RUNTIME_BYTES - weights_bytes - fixed_bytes
+    need_one = per_token_bytes * max_model_len
+    if left < need_one:
+        need = RUNTIME_BYTES + weights_bytes + fixed_bytes + need_one
+        raise ConfigError(
+            f"the model does not fit: it needs about {need / GIB:.2f} GiB (weights {weights_bytes / GIB:.2f} GiB, "
+            f"one {max_model_len}-token input {need_one / GIB:.2f} GiB, runtime {RUNTIME_BYTES / GIB:.2f} GiB) "
+            f"but {budget / GIB:.2f} GiB is available ({source}, {SAFETY:.0%} of it). Try --dtype bfloat16 "
+            "(half the weights of float32), a smaller --max-model-len with chunked processing, or a smaller model"
+        )
+    batch = max(1, min(batch_tokens, left // per_token_bytes))
+    # A window longer than the batch budget runs alone, so the peak is the larger of the two.
+    left_for_queue = left - max(batch, max_model_len) * per_token_bytes
+    queue = max(max_model_len, min(queued_tokens, left_for_queue // QUEUED_TOKEN_BYTES))
+    return MemoryPlan(budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source)
