@@ -12,7 +12,14 @@ from typing import Any
 from ember.errors import ConfigError
 from ember.resources import CpuBudget, MemoryBudget, parse_cpu_list
 
-__all__ = ["MemoryPlan", "ThreadPlan", "activation_bytes_per_token", "plan_memory", "plan_threads"]
+__all__ = [
+    "MemoryPlan",
+    "ThreadPlan",
+    "activation_bytes_per_token",
+    "flops_per_token",
+    "plan_memory",
+    "plan_threads",
+]
 
 GIB = 1024**3
 RUNTIME_BYTES = 450 * 1024**2
@@ -124,6 +131,7 @@ def plan_memory(
     batch_tokens: int,
     queued_tokens: int,
     limit_override: int | None = None,
+    dtype_bytes: int = 2,
 ) -> MemoryPlan:
     """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit."""
     available = limit_override or memory.available_bytes
@@ -134,14 +142,29 @@ def plan_memory(
     need_one = per_token_bytes * max_model_len
     if left < need_one:
         need = RUNTIME_BYTES + weights_bytes + fixed_bytes + need_one
+        hints = ["--dtype bfloat16 (half the memory of float32)"] if dtype_bytes == 4 else []
+        hints += ["a smaller --max-model-len with chunked processing", "a smaller model"]
         raise ConfigError(
             f"the model does not fit: it needs about {need / GIB:.2f} GiB (weights {weights_bytes / GIB:.2f} GiB, "
             f"one {max_model_len}-token input {need_one / GIB:.2f} GiB, runtime {RUNTIME_BYTES / GIB:.2f} GiB) "
-            f"but {budget / GIB:.2f} GiB is available ({source}, {SAFETY:.0%} of it). Try --dtype bfloat16 "
-            "(half the weights of float32), a smaller --max-model-len with chunked processing, or a smaller model"
+            f"but {budget / GIB:.2f} GiB is available ({source}, {SAFETY:.0%} of it). Try " + ", or ".join(hints)
         )
     batch = max(1, min(batch_tokens, left // per_token_bytes))
     # A window longer than the batch budget runs alone, so the peak is the larger of the two.
     left_for_queue = left - max(batch, max_model_len) * per_token_bytes
     queue = max(max_model_len, min(queued_tokens, left_for_queue // QUEUED_TOKEN_BYTES))
     return MemoryPlan(budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source)
+
+
+def flops_per_token(config: dict[str, Any], seq_len: int, causal: bool) -> float:
+    """Forward FLOPs per token: 2 x the layers' matrix weights, plus attention over `seq_len`."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    inter = config.get("intermediate_size", 4 * hidden)
+    mlp = (3 if config.get("model_type") in ("qwen3", "qwen2", "llama") else 2) * hidden * inter
+    attn_weights = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    context = seq_len / 2 if causal else seq_len
+    attention = 2 * 2 * context * heads * head_dim  # QK^T and AV
+    return layers * (2 * (mlp + attn_weights) + attention)

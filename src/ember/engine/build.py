@@ -8,6 +8,7 @@ device, stream the weights in, then build the tokenizer and the runner.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,17 @@ from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["Limits", "Loaded", "build_engine", "load", "set_threads", "torch_dtype"]
+__all__ = [
+    "Limits",
+    "Loaded",
+    "auto_dtype",
+    "build_engine",
+    "gemm_gflops",
+    "load",
+    "plan_model_memory",
+    "set_threads",
+    "torch_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +76,37 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
+def gemm_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
+    """Measured matrix-multiply throughput for `dtype` on the current threads (best of `repeats`)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # first call pays for kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+@functools.lru_cache(maxsize=1)
+def auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has bf16 matrix instructions and a quick GEMM probe confirms them."""
+    if not has_fast_bf16():
+        return torch.float32
+    bf16, fp32 = gemm_gflops(torch.bfloat16, 512), gemm_gflops(torch.float32, 512)
+    if bf16 < 1.2 * fp32:
+        log.warning(
+            "CPU lists bf16 instructions but bf16 GEMM is not faster (%.0f vs %.0f GFLOPS): float32", bf16, fp32
+        )
+        return torch.float32
+    return torch.bfloat16
+
+
 def torch_dtype(dtype: DType) -> torch.dtype:
-    """The compute dtype: `auto` is bfloat16 where the CPU has bf16 matrix instructions."""
+    """The compute dtype: `auto` is bfloat16 where the CPU has fast bf16 matrix instructions."""
     if dtype == "auto":
-        return torch.bfloat16 if has_fast_bf16() else torch.float32
+        return auto_dtype()
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -96,7 +134,7 @@ def load(
     pooling = resolve_pooling(st, pooler or PoolerConfig(), is_decoder=getattr(cls, "is_decoder", False))
     dt = torch_dtype(dtype)
     st_max = st.max_seq_length
-    plan = _plan_memory(path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max)
+    plan = plan_model_memory(path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max)
     net = _load_weights(cls, config, path, dt)
     dense = [Dense.load(d) for d in st.dense_dirs]
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
@@ -123,7 +161,7 @@ def load(
     return Loaded(tokenizer, TorchRunner(net, info, dense), info, path, seconds, plan)
 
 
-def _plan_memory(
+def plan_model_memory(
     path: Path,
     config: dict[str, Any],
     dtype: torch.dtype,
@@ -145,6 +183,7 @@ def _plan_memory(
         batch_tokens=limits.batch_tokens,
         queued_tokens=limits.queued_tokens,
         limit_override=limits.memory_limit,
+        dtype_bytes=size,
     )
 
 
