@@ -19,13 +19,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path, timeout: float = 90.0) -> None:
+    def __init__(self, args: list[str], log: Path, timeout: float = 90.0, preexec_fn=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, "-m", "ember.cli.main", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

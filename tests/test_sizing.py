@@ -1,0 +1,127 @@
+"""Thread and memory planning (pure), `ember doctor`, and ember inside real CPU and memory cgroups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cgroups import join_cgroup, real_v1_cgroup, run_in_cgroup
+from ember.errors import ConfigError
+from ember.resources import CpuBudget, MemoryBudget
+from ember.sizing import GIB, plan_memory, plan_threads
+from ember.testing import build_bert
+from server import Server
+
+FOUR = CpuBudget(affinity=64, quota=4.0, cpuset=None, usable=4, source="cgroup v2 cpu.max 400000 100000")
+
+
+def test_threads_follow_the_quota_not_the_host():
+    plan = plan_threads(FOUR)
+    assert plan.threads == 4 and not plan.warnings and "cpu.max" in plan.reason
+
+
+def test_explicit_threads_and_omp_are_respected_but_reported_above_the_quota():
+    assert plan_threads(FOUR, requested=2).threads == 2
+    over = plan_threads(FOUR, omp_env="64")
+    assert over.threads == 64 and "OMP_NUM_THREADS=64 is above the 4 CPU(s)" in over.warnings[0]
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
+        plan_threads(FOUR, omp_env="lots")
+
+
+def test_cpu_bind_list_sets_threads_and_must_be_in_the_affinity():
+    plan = plan_threads(CpuBudget(2, None, None, 2, "affinity 2"), bind="0-1")
+    assert plan.bind == (0, 1) and plan.threads == 2
+    with pytest.raises(ConfigError, match="outside this process's affinity"):
+        plan_threads(FOUR, bind="0-511")
+    assert plan_threads(FOUR, bind="nobind").bind is None
+
+
+MEM4G = MemoryBudget(limit_bytes=4 * GIB, available_bytes=4 * GIB, total_bytes=64 * GIB, source="cgroup v2 memory.max")
+
+
+def _plan(memory=MEM4G, weights=int(1.2 * GIB), per_token=40 * 1024, max_len=8192, **kw):
+    args = dict(
+        weights_bytes=weights,
+        per_token_bytes=per_token,
+        fixed_bytes=36 * 2**20,
+        max_model_len=max_len,
+        batch_tokens=2048,
+        queued_tokens=1_000_000,
+    )
+    return plan_memory(memory, **(args | kw))
+
+
+def test_memory_plan_fits_budgets_inside_the_limit():
+    plan = _plan()
+    assert plan.max_batch_tokens == 2048 and plan.budget_bytes == int(0.9 * 4 * GIB)
+    peak = 0.45 * GIB + plan.weights_bytes + plan.fixed_bytes + max(2048, 8192) * plan.per_token_bytes
+    assert peak + plan.max_queued_tokens * 64 <= plan.budget_bytes
+
+
+def test_a_model_that_cannot_fit_is_refused_with_what_would_fit():
+    small = MemoryBudget(limit_bytes=GIB, available_bytes=GIB, total_bytes=64 * GIB, source="cgroup v2 memory.max")
+    with pytest.raises(ConfigError) as e:
+        _plan(memory=small, weights=int(2.4 * GIB), dtype_bytes=4)
+    message = str(e.value)
+    assert "does not fit" in message and "--dtype bfloat16" in message and "0.90 GiB is available" in message
+
+
+def test_tight_memory_shrinks_the_batch_and_queue():
+    tight = MemoryBudget(limit_bytes=2 * GIB, available_bytes=2 * GIB, total_bytes=64 * GIB, source="cgroup")
+    plan = _plan(memory=tight, max_len=512, per_token=200 * 1024)
+    assert plan.max_batch_tokens < 2048 and plan.max_queued_tokens < 1_000_000
+
+
+def test_doctor_json_reports_and_exits_by_problems():
+    out = subprocess.run([sys.executable, "-m", "ember.cli.main", "doctor", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["problems"] == [] and report["threads"]["count"] >= 1
+    assert report["gemm_gflops"]["float32"] > 0 and report["model"]["weights_bytes"] > 0
+    assert set(report["cpu"]["isa"]) >= {"avx2", "avx512_bf16", "amx_bf16"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "ember.cli.main", "doctor", "--json", "--memory-limit", "300M"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 1 and "does not fit" in json.loads(bad.stdout)["problems"][0]
+
+
+def test_a_process_in_a_one_cpu_cgroup_uses_one_thread():
+    code = (
+        "from ember.cli.runtime import prepare_process; from ember.engine.build import set_threads; import torch;"
+        "p = prepare_process(None, None); set_threads(p.threads); print(p.threads, torch.get_num_threads())"
+    )
+    with real_v1_cgroup("cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}) as cgroup:
+        assert run_in_cgroup(cgroup, code) == "1 1"
+
+
+def test_serve_under_a_tight_memory_limit_answers_a_burst_with_429_not_oom(tmp_path):
+    model = build_bert(tmp_path / "m")
+    with real_v1_cgroup("memory", {"memory.limit_in_bytes": str(900 * 2**20)}) as cgroup:
+        args = [str(model), "--dtype", "float32", "--max-queued-tokens", "60000"]
+        srv = Server(args, tmp_path / "log", preexec_fn=join_cgroup(cgroup))
+        try:
+
+            def burst(i):
+                body = {"input": ["word " * 500] * 32, "truncate_prompt_tokens": -1}
+                r = httpx.post(srv.url + "/v1/embeddings", json=body, timeout=120)
+                return r.status_code, r.headers.get("retry-after")
+
+            with ThreadPoolExecutor(24) as pool:
+                results = list(pool.map(burst, range(24)))
+            codes = [c for c, _ in results]
+            assert 200 in codes and 429 in codes, codes
+            assert all(retry for c, retry in results if c == 429)
+            assert srv.proc.poll() is None and httpx.get(srv.url + "/health").status_code == 200
+            assert "oom_kill 0" in (cgroup / "memory.oom_control").read_text()
+            assert int((cgroup / "memory.max_usage_in_bytes").read_text()) < 900 * 2**20
+        finally:
+            srv.stop()
+            time.sleep(0.2)
