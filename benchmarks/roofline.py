@@ -1,0 +1,30 @@
+"""The compute limit: measured GEMM throughput on the current threads, over the model's FLOPs per token."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ember.engine.build import gemm_gflops, set_threads
+from ember.models.checkpoint import read_config, resolve_model
+from ember.resources import cpu_budget
+from ember.sizing import flops_per_token
+
+
+def compute_limit(model: str, dtype: str, seq_len: int = 512) -> dict[str, float]:
+    set_threads(cpu_budget().usable)
+    config = read_config(resolve_model(model))
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    gflops = max(gemm_gflops(dt, 2048, repeats=5) for _ in range(3))
+    per_token = flops_per_token(config, seq_len, causal=config.get("model_type") == "qwen3")
+    return {"gflops": gflops, "gflop_per_token": per_token / 1e9, "tokens_per_s": gflops * 1e9 / per_token}
+
+
+if __name__ == "__main__":
+    print(
+        compute_limit(
+            sys.argv[1] if len(sys.argv) > 1 else "sentence-transformers/all-MiniLM-L6-v2",
+            sys.argv[2] if len(sys.argv) > 2 else "bfloat16",
+        )
+    )

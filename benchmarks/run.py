@@ -1,0 +1,147 @@
+"""The benchmark suite: ember over HTTP beside the transformers reference, measured in the same run.
+
+    python benchmarks/run.py                       # Qwen3-Embedding-0.6B-shaped model (built if missing)
+    python benchmarks/run.py --model minilm        # the bundled all-MiniLM-L6-v2, sentence-transformers reference
+    python benchmarks/run.py --peer-url URL        # also drive another OpenAI-compatible server (e.g. vLLM)
+
+Never run it beside tests or another benchmark: on 2 cores, anything else running spoils the timing.
+Prints a table (tokens/s, p50/p99, peak RSS, time to ready, ratio to the reference and to the compute
+limit) and writes benchmarks/results/<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from reference import reference_tokens_per_s  # noqa: E402
+from roofline import compute_limit  # noqa: E402
+
+from ember.cli.bench import WORKLOADS, Result, run_workload  # noqa: E402
+
+QWEN_DIR = ROOT / "models" / "qwen3-emb-0.6b-random"
+
+
+def start_server(model: str, extra: list[str], port: int = 18123) -> tuple[subprocess.Popen[bytes], float]:
+    cmd = [sys.executable, "-m", "ember.cli.main", "serve", model, "--port", str(port), "--host", "127.0.0.1", *extra]
+    start = time.perf_counter()
+    with open(ROOT / "benchmarks/results/server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"ember serve exited: see {ROOT / 'benchmarks/results/server.log'}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, time.perf_counter() - start
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def drive(url: str, model: str, keys: list[str]) -> dict[str, Result]:
+    return {k: asyncio.run(run_workload(url, model, WORKLOADS[k])) for k in keys}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3", help="qwen3 (0.6B-shaped, random weights) or minilm")
+    ap.add_argument("--workloads", default="bulk,mixed,queries,long,chunked")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--peer-url", default=None, help="another OpenAI-compatible server to drive the same way")
+    ap.add_argument("--peer-model", default=None)
+    ap.add_argument("--no-reference", action="store_true")
+    args = ap.parse_args()
+    keys = args.workloads.split(",")
+    if args.model == "qwen3":
+        if not (QWEN_DIR / "model.safetensors").exists():
+            subprocess.run(
+                [sys.executable, str(ROOT / "scripts/make_qwen3_model.py"), "--out", str(QWEN_DIR)], check=True
+            )
+        model, name = str(QWEN_DIR), "qwen3-0.6b"
+        extra = ["--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
+    else:
+        model, name = "sentence-transformers/all-MiniLM-L6-v2", "minilm"
+        extra = ["--pooler-config", '{"enable_chunked_processing": true}']
+        keys = [k for k in keys if k in ("bulk", "mixed", "queries")]
+    limit = compute_limit(model, args.dtype)
+    proc, ready = start_server(model, ["--dtype", args.dtype, *extra])
+    try:
+        ours = drive("http://127.0.0.1:18123", model, keys)
+        rss = peak_rss(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait()
+    peer = drive(args.peer_url, args.peer_model or model, keys) if args.peer_url else {}
+    ref = {} if args.no_reference else reference_tokens_per_s(model, args.dtype, keys, st=args.model == "minilm")
+    report(name, keys, ours, peer, ref, limit, ready, rss, args)
+
+
+def report(name, keys, ours, peer, ref, limit, ready, rss, args) -> None:
+    print(
+        f"\nmodel {name}, dtype {args.dtype}; compute limit {limit['tokens_per_s']:.0f} tok/s "
+        f"({limit['gflops']:.0f} GFLOPS, {limit['gflop_per_token']:.2f} GFLOP/token); "
+        f"time to ready {ready:.1f} s; server peak RSS {rss / 2**30:.2f} GiB"
+    )
+    header = f"{'workload':55s} {'ember tok/s':>11s} {'p50 ms':>8s} {'p99 ms':>8s} {'ref tok/s':>10s} {'x ref':>6s}"
+    header += f" {'x limit':>7s}"
+    if peer:
+        header += f" {'peer tok/s':>10s} {'x peer':>6s}"
+    print(header)
+    rows = []
+    for k in keys:
+        r = ours[k]
+        ref_tps = ref.get(k)
+        line = (
+            f"{r.workload:55s} {r.tokens_per_s:11.1f} {r.p50_ms:8.0f} {r.p99_ms:8.0f} "
+            f"{(ref_tps or 0):10.1f} {(r.tokens_per_s / ref_tps if ref_tps else 0):6.2f} "
+            f"{r.tokens_per_s / limit['tokens_per_s']:7.2f}"
+        )
+        if peer:
+            line += f" {peer[k].tokens_per_s:10.1f} {r.tokens_per_s / peer[k].tokens_per_s:6.2f}"
+        print(line)
+        rows.append(
+            {
+                "key": k,
+                "workload": r.workload,
+                "tokens_per_s": r.tokens_per_s,
+                "p50_ms": r.p50_ms,
+                "p99_ms": r.p99_ms,
+                "reference_tokens_per_s": ref_tps,
+                "peer_tokens_per_s": peer[k].tokens_per_s if peer else None,
+            }
+        )
+    out = ROOT / "benchmarks" / "results" / f"{name}-{args.dtype}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "model": name,
+                "dtype": args.dtype,
+                "limit": limit,
+                "time_to_ready_s": ready,
+                "peak_rss_bytes": rss,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

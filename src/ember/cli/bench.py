@@ -1,0 +1,123 @@
+"""`ember bench`: the benchmark workloads, driven over HTTP against any OpenAI-compatible server.
+
+Point it at ember or at a peer (e.g. vLLM's CPU build) with the same client and inputs, so
+tokens/s and latencies compare like for like. `benchmarks/run.py` adds the in-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["WORKLOADS", "Result", "Workload", "add_parser", "make_texts", "run_workload"]
+
+_WORDS = (
+    "retrieval embedding server vector search document query passage model token batch latency cluster "
+    "kubernetes memory thread quota index answer question context chunk window merge cosine score rank "
+    "the of and to in a is that for on with as by at from it be this are or an was which"
+).split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    lengths: tuple[int, ...]  # approximate tokens per input
+    per_request: int  # inputs per request
+    concurrency: int  # requests in flight
+
+
+def _lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randint(lo, hi) for _ in range(n))
+
+
+WORKLOADS = {
+    "bulk": Workload("bulk: 64 docs x 512 tokens, 16 per request, 4 in flight", (512,) * 64, 16, 4),
+    "mixed": Workload("mixed: 256 inputs of 16..1024 tokens", _lengths(256, 16, 1024, 1), 16, 4),
+    "queries": Workload("queries: 200 x ~20 tokens, 8 concurrent clients", _lengths(200, 16, 24, 2), 1, 8),
+    "long": Workload("one 8,000-token document", (8000,), 1, 1),
+    "chunked": Workload("one 12,000-token document, chunked", (12000,), 1, 1),
+}
+
+
+def make_texts(lengths: tuple[int, ...], seed: int = 0) -> list[str]:
+    """Texts of roughly the given token counts (about one token per word for BPE and WordPiece)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(max(1, n - 1))) for n in lengths]
+
+
+@dataclass
+class Result:
+    workload: str
+    tokens: int
+    seconds: float
+    requests: int
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def run_workload(url: str, model: str, w: Workload, api_key: str | None = None) -> Result:
+    """Send the workload with `w.concurrency` requests in flight; usage gives the exact tokens."""
+    import httpx
+
+    texts = make_texts(w.lengths)
+    batches = [texts[i : i + w.per_request] for i in range(0, len(texts), w.per_request)]
+    queue: asyncio.Queue[list[str]] = asyncio.Queue()
+    for b in batches:
+        queue.put_nowait(b)
+    latencies: list[float] = []
+    tokens = 0
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while not queue.empty():
+            batch = queue.get_nowait()
+            start = time.perf_counter()
+            r = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": batch}, headers=headers)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - start)
+            tokens += r.json()["usage"]["prompt_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(w.concurrency)))
+        seconds = time.perf_counter() - start
+    qs = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
+    return Result(w.name, tokens, seconds, len(latencies), qs[49] * 1000, qs[98] * 1000)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="run the benchmark workloads against an OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (ember or a peer)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--workloads", default="bulk,mixed,queries,long", help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, unknown: list[str]) -> int:
+    import httpx
+
+    model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    results = []
+    for key in args.workloads.split(","):
+        result = asyncio.run(run_workload(args.url, model, WORKLOADS[key], args.api_key))
+        results.append(result)
+        if not args.json:
+            print(f"{result.workload:55s} {result.tokens_per_s:9.1f} tok/s  p50 {result.p50_ms:8.1f} ms  "
+                  f"p99 {result.p99_ms:8.1f} ms")  # fmt: skip
+    if args.json:
+        print(json.dumps([asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results], indent=2))
+    return 0
