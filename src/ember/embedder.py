@@ -45,6 +45,7 @@ class Embedder:
         max_batch_seqs: int = 256,
         auto_truncate: bool = False,
         threads: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
         pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
@@ -55,6 +56,7 @@ class Embedder:
             pooler=pooler,
             revision=revision,
             hf_overrides=hf_overrides,
+            quantization=quantization,
         )
         self.pooler = pooler
         self.max_batch_tokens = max_batch_tokens

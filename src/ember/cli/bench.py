@@ -17,11 +17,11 @@ from typing import Any
 
 __all__ = ["WORKLOADS", "Result", "Workload", "add_parser", "make_texts", "run_workload"]
 
-_WORDS = (
+_WORDS = tuple(
     "retrieval embedding server vector search document query passage model token batch latency cluster "
     "kubernetes memory thread quota index answer question context chunk window merge cosine score rank "
-    "the of and to in a is that for on with as by at from it be this are or an was which"
-).split()
+    "the of and to in a is that for on with as by at from it be this are or an was which".split()
+)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="extend", nargs="+", default=[], help="accepted bearer token(s)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; first is reported")
-    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (float16/half run as bfloat16)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 (float16/half run as bfloat16) or int8")
+    p.add_argument(
+        "--quantization", "-q", default=None, choices=["int8"], help="int8 weights, dynamic int8 activations"
+    )
     p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")

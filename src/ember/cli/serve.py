@@ -63,9 +63,11 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     warn_ignored(args)
     pooler = PoolerConfig.parse(args.pooler_config or args.override_pooler_config)
     model = args.model or args.model_tag
+    quantization = args.quantization or ("int8" if args.dtype == "int8" else None)
     loaded = load(
         model,
-        dtype=check_dtype(args.dtype),
+        dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
+        quantization=quantization,
         max_model_len=args.max_model_len,
         pooler=pooler,
         revision=args.revision,

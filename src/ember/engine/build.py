@@ -26,6 +26,7 @@ from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, parameter_count
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
+from ember.ops.quant import quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
 from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
@@ -122,6 +123,7 @@ def load(
     hf_overrides: dict[str, Any] | None = None,
     limits: Limits | None = None,
     memory: MemoryBudget | None = None,
+    quantization: str | None = None,
 ) -> Loaded:
     """Load `model` (local directory, hub id, or None for the bundled default)."""
     from ember.engine.runner import TorchRunner
@@ -133,9 +135,15 @@ def load(
     st = read_st_modules(path)
     pooling = resolve_pooling(st, pooler or PoolerConfig(), is_decoder=getattr(cls, "is_decoder", False))
     dt = torch_dtype(dtype)
+    if quantization not in (None, "int8"):
+        raise ConfigError(f"--quantization {quantization!r} is not supported; ember offers int8")
     st_max = st.max_seq_length
-    plan = plan_model_memory(path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max)
+    plan = plan_model_memory(
+        path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max, quantization
+    )
     net = _load_weights(cls, config, path, dt)
+    if quantization == "int8":
+        quantize_int8(net, dt, cls.int8_layers)  # type: ignore[attr-defined]
     dense = [Dense.load(d) for d in st.dense_dirs]
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
     dims = config.get("matryoshka_dimensions")
@@ -144,7 +152,7 @@ def load(
         architecture=arch,
         dimension=dense[-1].linear.out_features if dense else net.hidden_size,
         max_model_len=_max_model_len(net.max_positions, st.max_seq_length, max_model_len),
-        dtype=str(dt).removeprefix("torch."),
+        dtype=str(dt).removeprefix("torch.") + (" (int8 weights)" if quantization else ""),
         pooling=pooling,
         is_matryoshka=bool(config.get("is_matryoshka") or dims),
         matryoshka_dimensions=tuple(dims) if dims else None,
@@ -169,14 +177,21 @@ def plan_model_memory(
     memory: MemoryBudget,
     max_model_len: int | None,
     st_max: int | None,
+    quantization: str | None = None,
 ) -> MemoryPlan:
     """Check the model fits before reading any weight, and size the token budgets to the memory."""
     size = dtype.itemsize
     positions = config.get("max_position_embeddings", 512)
     longest = max_model_len or min(positions, st_max or positions)
+    params = parameter_count(path)
+    weights = params * size
+    if quantization == "int8":  # feed-forward matrices at one byte, the rest in the compute dtype
+        ffn = config["num_hidden_layers"] * config["hidden_size"] * config.get("intermediate_size", 0)
+        ffn *= 3 if config.get("model_type") == "qwen3" else 2
+        weights = (params - ffn) * size + ffn
     return plan_memory(
         memory,
-        weights_bytes=parameter_count(path) * size,
+        weights_bytes=weights,
         per_token_bytes=activation_bytes_per_token(config, size),
         fixed_bytes=TOKEN_SLICE * size * 3 * config.get("intermediate_size", 4 * config["hidden_size"]),
         max_model_len=longest,

@@ -164,6 +164,7 @@ class BertModel(nn.Module):
     """A BERT or XLM-R encoder without its pooler: token ids in, final hidden states out."""
 
     is_decoder = False
+    int8_layers = r"(intermediate\.dense|layer\.\d+\.output\.dense)$"  # feed-forward, for --quantization int8
 
     def __init__(self, a: BertArgs) -> None:
         super().__init__()

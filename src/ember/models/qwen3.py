@@ -113,6 +113,7 @@ class Qwen3Model(nn.Module):
     """The Qwen3 decoder without its LM head: token ids in, final hidden states out."""
 
     is_decoder = True
+    int8_layers = r"\.mlp\."  # feed-forward matrices, quantised by --quantization int8
 
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
