@@ -34,7 +34,7 @@ def throughput_vs_batch(model: str, sizes: list[int]) -> list[float]:
     rng = __import__("numpy").random.default_rng(0)
     out = []
     for b in sizes:
-        docs = [rng.integers(1000, 100000, 511).tolist() + [151643] for _ in range(b)]
+        docs = [[*rng.integers(1000, 100000, 511).tolist(), 151643] for _ in range(b)]
         embedder.embed(docs)
         runs = []
         for _ in range(3):
