@@ -192,3 +192,19 @@ def test_json_body_of_10mb_is_refused_cleanly(client):
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 413
+
+
+def test_a_body_sent_without_json_content_type_is_still_read(client):
+    r = client.post(
+        "/v1/embeddings",
+        content=b'{"input": "curl -d style"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert r.status_code == 200 and r.json()["data"][0]["object"] == "embedding"
+
+
+def test_client_closed_status_has_an_openai_body():
+    from ember.api.errors import error_response
+
+    r = error_response(499, "client closed the request")
+    assert r.status_code == 499 and b"ClientClosedRequest" in r.body

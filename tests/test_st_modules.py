@@ -75,10 +75,13 @@ def test_override_wins_and_auto_detects(tmp_path):
         ({**LEGACY, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "['cls', 'mean']"),
     ],
 )
-def test_pooling_we_cannot_do_is_a_clear_startup_error(tmp_path, pooling, needle):
+def test_pooling_we_cannot_do_is_a_clear_startup_error_unless_overridden(tmp_path, pooling, needle):
+    st = read_st_modules(_write(tmp_path, pooling))
     with pytest.raises(UnsupportedModelError) as e:
-        read_st_modules(_write(tmp_path, pooling))
+        resolve_pooling(st, PoolerConfig(), is_decoder=False)
     assert needle in str(e.value) and "1_Pooling" in str(e.value)
+    override = PoolerConfig.parse('{"pooling_type": "MEAN"}')
+    assert resolve_pooling(st, override, is_decoder=False) == PoolingSpec("MEAN", True, "override")
 
 
 def test_unknown_module_type_is_refused(tmp_path):
@@ -88,7 +91,9 @@ def test_unknown_module_type_is_refused(tmp_path):
 
 
 def test_prompts_and_max_seq_length_are_read(tmp_path):
-    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "Q: "}}))
+    st_config = {"prompts": {"query": "Q: "}, "default_prompt_name": "query"}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(st_config))
     (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
     st = read_st_modules(tmp_path)
     assert st.prompts == {"query": "Q: "} and st.max_seq_length == 256 and not st.present
+    assert st.default_prompt_name == "query"

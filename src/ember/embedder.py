@@ -12,9 +12,8 @@ import numpy as np
 
 from ember.config import DType, PoolerConfig, check_dtype
 from ember.engine.build import Loaded, load, set_threads
-from ember.engine.inputs import check_dimensions, fit_length, split_inputs, tokenize
+from ember.engine.inputs import check_dimensions, fit_length, prompt_text, split_inputs, tokenize
 from ember.engine.scheduler import plan_batches
-from ember.errors import InputError
 from ember.ops.head import embed_windows
 from ember.resources import cpu_budget
 from ember.types import ModelInfo
@@ -86,7 +85,7 @@ class Embedder:
         dimensions = dimensions if dimensions is not None else self.pooler.dimensions
         check_dimensions(info, dimensions)
         tokenizer = self._loaded.tokenizer
-        seqs = tokenize(tokenizer, split_inputs(inputs), self._prompt(prompt_name))
+        seqs = tokenize(tokenizer, split_inputs(inputs), prompt_text(info, prompt_name))
         fitted = [
             fit_length(ids, info.max_model_len, tokenizer.special_tokens, truncate_to=truncate_prompt_tokens,
                        side=truncation_side, pooler=self.pooler, auto_truncate=self.auto_truncate)
@@ -106,11 +105,3 @@ class Embedder:
             for i, ws in enumerate(windows)
         ]
         return Embeddings(np.stack(vectors), [f.tokens for f in fitted])
-
-    def _prompt(self, prompt_name: str | None) -> str:
-        if prompt_name is None:
-            return ""
-        prompts = self.info.prompts
-        if prompt_name not in prompts:
-            raise InputError(f"unknown prompt_name {prompt_name!r}; this model has {sorted(prompts)}", "prompt_name")
-        return prompts[prompt_name]

@@ -39,15 +39,19 @@ class ThreadPlan:
 
 
 def plan_threads(
-    cpu: CpuBudget, requested: int | None = None, omp_env: str | None = None, bind: str | None = None
+    cpu: CpuBudget,
+    requested: int | None = None,
+    omp_env: str | None = None,
+    bind: str | None = None,
+    label: str = "--threads",
 ) -> ThreadPlan:
     """Threads from --threads, else an explicit OMP_NUM_THREADS, else the usable CPUs."""
     warnings: list[str] = []
     cpus = _bind_list(bind)
     if requested is not None:
         if requested < 1:
-            raise ConfigError(f"--threads must be at least 1, got {requested}")
-        threads, reason = requested, f"--threads {requested}"
+            raise ConfigError(f"{label} must be at least 1, got {requested}")
+        threads, reason = requested, f"{label}={requested}"
     elif omp_env:
         try:
             threads = int(omp_env)

@@ -36,6 +36,8 @@ class ModelInfo:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    """Applied when a request names no prompt (sentence-transformers' default_prompt_name)."""
     vocab_size: int = 0
 
 

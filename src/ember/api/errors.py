@@ -32,6 +32,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    499: "ClientClosedRequest",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

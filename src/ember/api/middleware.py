@@ -42,6 +42,10 @@ class EdgeMiddleware:
             return
         start = time.perf_counter()
         headers = dict(scope["headers"])
+        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+            # `curl -d` sends a form type; every ember body is JSON, so read it as such
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500

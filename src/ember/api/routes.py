@@ -31,6 +31,7 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
+from ember.engine.inputs import prompt_text
 from ember.version import __version__
 
 __all__ = ["Context", "inference", "probes"]
@@ -99,12 +100,7 @@ async def until_disconnect(request: Request, work: Any) -> Any:
 
 def _params(body: EmbeddingRequest, ctx: Context) -> EmbedParams:
     normalize = body.normalize if body.normalize is not None else body.use_activation
-    prompt = ""
-    if body.prompt_name is not None:
-        prompts = ctx.engine.info.prompts
-        if body.prompt_name not in prompts:
-            raise HTTPException(400, f"unknown prompt_name {body.prompt_name!r}; this model has {sorted(prompts)}")
-        prompt = prompts[body.prompt_name]
+    prompt = prompt_text(ctx.engine.info, body.prompt_name)
     return EmbedParams(
         dimensions=body.dimensions,
         normalize=normalize,

@@ -98,7 +98,9 @@ async def run_workload(url: str, model: str, w: Workload, api_key: str | None = 
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run the benchmark workloads against an OpenAI-compatible server")
+    p = sub.add_parser(
+        "bench", allow_abbrev=False, help="run the benchmark workloads against an OpenAI-compatible server"
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (ember or a peer)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None)
@@ -107,7 +109,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, unknown: list[str]) -> int:
+def run(args: argparse.Namespace) -> int:
     import httpx
 
     model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]

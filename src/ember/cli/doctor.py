@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ember.cli.flags import parse_json_flag, parse_size
 from ember.cli.runtime import maybe_reexec_with_allocator, parse_bytes, prepare_process
 from ember.errors import ConfigError, EmberError
 from ember.hardware import cpu_flags
@@ -21,10 +22,14 @@ _ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="report CPU, limits, threads, dtype and what a model needs here")
+    p = sub.add_parser(
+        "doctor", allow_abbrev=False, help="report CPU, limits, threads, dtype and what a model needs here"
+    )
     p.add_argument("model", nargs="?", default=None, help="model to size (default: the bundled MiniLM)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=parse_size, default=None)
+    p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--hf-overrides", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--memory-limit", default=None)
@@ -85,7 +90,7 @@ def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]
     from ember.sizing import flops_per_token
 
     path = resolve_model(args.model)
-    config = read_config(path)
+    config = {**read_config(path), **(parse_json_flag(args.hf_overrides, "--hf-overrides") or {})}
     dtype = torch_dtype(check_dtype(args.dtype))
     limits = Limits(memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None)
     plan = plan_model_memory(
@@ -105,7 +110,7 @@ def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]
     }
 
 
-def run(args: argparse.Namespace, unknown: list[str]) -> int:
+def run(args: argparse.Namespace) -> int:
     problems: list[str] = []
     try:
         maybe_reexec_with_allocator(sys.argv[1:])

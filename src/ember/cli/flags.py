@@ -57,13 +57,13 @@ _IGNORED_SWITCHES = {
 
 
 def parse_size(value: str) -> int:
-    """An integer with an optional k/m suffix (vLLM accepts `--max-model-len 8k`)."""
-    text = value.strip().lower()
-    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
+    """A count with vLLM's suffixes: k/m/g are powers of 1000, K/M/G powers of 1024 (`8k` = 8000, `8K` = 8192)."""
+    text = value.strip()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of tokens") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count (e.g. 8192, 8k, 8K)") from None
 
 
 def parse_json_flag(raw: str | None, flag: str) -> dict[str, Any] | None:
@@ -85,7 +85,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--download-dir", default=None, help="Hugging Face cache directory for hub downloads")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="extend", nargs="+", default=[], help="accepted bearer token(s)")
+    p.add_argument(
+        "--api-key", action="extend", nargs="+", default=[], help="accepted key(s): Authorization: Bearer or x-api-key"
+    )
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; first is reported")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 (float16/half run as bfloat16) or int8")
     p.add_argument(
@@ -96,7 +98,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
     p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
-    p.add_argument("--max-request-bytes", type=parse_size, default=8 * 1024 * 1024, help="largest body before 413")
+    p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
     p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
@@ -106,9 +108,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"])
     p.add_argument("--task", default=None, help="deprecated vLLM flag; embed/embedding accepted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the container's CPUs)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads (default: EMBER_THREADS, OMP_NUM_THREADS, else usable CPUs)",
+    )
     p.add_argument("--cpu-bind", default=None, help="auto, nobind or a CPU list like 0-3 (VLLM_CPU_OMP_THREADS_BIND)")
-    p.add_argument("--memory-limit", default=None, help="memory to plan for, e.g. 4G (default: cgroup limit)")
+    p.add_argument(
+        "--memory-limit", default=None, help="memory to plan for, e.g. 4Gi (default: cgroup limit, else MemAvailable)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for flag in IGNORED_FLAGS:
         if flag in _IGNORED_SWITCHES:

@@ -13,14 +13,16 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     from ember.cli import bench, doctor, serve
 
-    parser = argparse.ArgumentParser(prog="ember", description="CPU-native, OpenAI-compatible embedding server")
+    parser = argparse.ArgumentParser(
+        prog="ember", description="CPU-native, OpenAI-compatible embedding server", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
     doctor.add_parser(sub)
     bench.add_parser(sub)
-    args, unknown = parser.parse_known_args(argv)
-    return int(args.run(args, unknown) or 0)
+    args = parser.parse_args(argv)  # unknown flags are an error, as in vLLM: never silently misparsed
+    return int(args.run(args) or 0)
 
 
 if __name__ == "__main__":

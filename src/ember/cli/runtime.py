@@ -29,13 +29,13 @@ _REEXEC_MARK = "EMBER_ALLOCATOR_SET"
 
 
 def parse_bytes(value: str) -> int:
-    """'4G', '4GiB', '3500M', '2147483648' -> bytes (K/M/G/T, binary units)."""
-    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    """'4G', '4Gi', '4GiB', '3500M', '2147483648' -> bytes (K/M/G/T, binary units)."""
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
     scale = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}.get(text[-1:], 1)
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        raise ConfigError(f"--memory-limit {value!r} is not a size (e.g. 4G, 3500M)") from None
+        raise ConfigError(f"{value!r} is not a size in bytes (e.g. 4Gi, 3500M)") from None
 
 
 def _find_allocator() -> str | None:
@@ -65,9 +65,10 @@ def maybe_reexec_with_allocator(argv: list[str]) -> None:
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
     """Decide and apply the thread count and binding; call before importing torch."""
+    label = "--threads" if threads is not None else "EMBER_THREADS"
     requested = threads if threads is not None else _int_env("EMBER_THREADS")
     bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or None
-    plan = plan_threads(cpu_budget(), requested, os.environ.get("OMP_NUM_THREADS"), bind)
+    plan = plan_threads(cpu_budget(), requested, os.environ.get("OMP_NUM_THREADS"), bind, label=label)
     n = str(plan.threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from typing import Any
@@ -18,7 +19,7 @@ log = logging.getLogger("ember.cli")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve an embedding model over HTTP (OpenAI/vLLM compatible)")
+    p = sub.add_parser("serve", allow_abbrev=False, help="serve an embedding model over HTTP (OpenAI/vLLM compatible)")
     add_serve_flags(p)
     p.set_defaults(run=run)
 
@@ -31,11 +32,8 @@ def setup_logging(level: str) -> None:
     )
 
 
-def run(args: argparse.Namespace, unknown: list[str]) -> int:
+def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    for flag in unknown:
-        if flag.startswith("-"):
-            log.warning("unknown flag %s ignored", flag)
     try:
         maybe_reexec_with_allocator(sys.argv[1:])
         plan = prepare_process(args.threads, args.cpu_bind)
@@ -93,7 +91,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         served_model_names=names,
         model_path=str(loaded.path),
         api_keys=api_keys(args.api_key),
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=parse_bytes(args.max_request_bytes),
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=loaded.memory.budget_bytes,
     )
@@ -105,7 +103,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        timeout_graceful_shutdown=int(args.shutdown_grace),
+        timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
     )
     _Server(config).run()
     return 0

@@ -20,7 +20,8 @@ from torch import nn
 
 from ember.config import DType, EngineConfig, PoolerConfig
 from ember.engine.engine import AsyncEngine
-from ember.errors import CheckpointError, ConfigError
+from ember.engine.inputs import check_dimensions
+from ember.errors import CheckpointError, ConfigError, InputError
 from ember.hardware import has_fast_bf16
 from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, parameter_count, read_config, resolve_model
 from ember.models.dense import Dense
@@ -157,8 +158,13 @@ def load(
         is_matryoshka=bool(config.get("is_matryoshka") or dims),
         matryoshka_dimensions=tuple(dims) if dims else None,
         prompts=st.prompts,
+        default_prompt_name=st.default_prompt_name,
         vocab_size=tokenizer.vocab_size,
     )
+    try:
+        check_dimensions(info, (pooler or PoolerConfig()).dimensions)
+    except InputError as e:
+        raise ConfigError(f"--pooler-config dimensions: {e}") from None
     seconds = time.perf_counter() - start
     log.info(
         "loaded %s (%s, %s, pooling %s%s from %s, max_model_len %d) in %.1fs",

@@ -109,6 +109,8 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.closing = False
+        self.seconds_per_token = self.config.seconds_per_token
+        """Measured model cost (moving average over batches): deadlines and Retry-After use it."""
         self.queued_requests = 0
         self.queued_tokens = 0
         self.running_seqs = 0
@@ -181,7 +183,7 @@ class AsyncEngine:
         )
 
     def _overloaded(self) -> OverloadedError:
-        wait = max(1.0, self.queued_tokens * self.config.seconds_per_token)
+        wait = max(1.0, self.queued_tokens * self.seconds_per_token)
         return OverloadedError(
             f"server overloaded: {self.queued_requests} requests and {self.queued_tokens} tokens queued; retry later",
             retry_after=round(wait),
@@ -200,7 +202,7 @@ class AsyncEngine:
             raise self._overloaded()
         self.queued_requests += 1
         self.queued_tokens += request.tokens
-        deadline = now + request.tokens * cfg.seconds_per_token
+        deadline = now + request.tokens * self.seconds_per_token
         for i, ws in enumerate(windows):
             for j, ids in enumerate(ws):
                 heapq.heappush(self._heap, _Item(deadline, next(self._counter), request, (i, j), ids))
@@ -268,8 +270,10 @@ class AsyncEngine:
         finally:
             self.running_seqs = self.running_tokens = 0
         seconds = time.monotonic() - start
+        tokens = sum(len(it.ids) for it in batch)
+        self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / tokens
         if self.observer is not None:
-            self.observer(len(batch), sum(len(it.ids) for it in batch), seconds)
+            self.observer(len(batch), tokens, seconds)
         for request in {item.request for item in batch}:
             request.inference_seconds += seconds
         for row, item in enumerate(batch):

@@ -15,7 +15,15 @@ from ember.errors import InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["Fitted", "check_dimensions", "check_length", "fit_length", "split_inputs", "tokenize"]
+__all__ = [
+    "Fitted",
+    "check_dimensions",
+    "check_length",
+    "fit_length",
+    "prompt_text",
+    "split_inputs",
+    "tokenize",
+]
 
 Input = str | list[int]
 
@@ -147,3 +155,13 @@ def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: 
     if side not in ("left", "right"):
         raise InputError(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
     return truncate(ids, k, side, specials)
+
+
+def prompt_text(info: ModelInfo, prompt_name: str | None) -> str:
+    """The prompt to put before each text: the named one, else the model's default, else none."""
+    name = prompt_name if prompt_name is not None else info.default_prompt_name
+    if name is None:
+        return ""
+    if name not in info.prompts:
+        raise InputError(f"unknown prompt_name {name!r}; this model has {sorted(info.prompts)}", "prompt_name")
+    return info.prompts[name]

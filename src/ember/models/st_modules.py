@@ -42,6 +42,8 @@ class STModules:
     default_prompt_name: str | None = None
     max_seq_length: int | None = None
     present: bool = False
+    pooling_error: str | None = None
+    """Why the Pooling module cannot run as written (max, weightedmean, ...); an override can replace it."""
 
 
 def _read_json(file: Path) -> Any:
@@ -58,6 +60,7 @@ def read_st_modules(path: Path) -> STModules:
     if not modules_file.is_file():
         return STModules(**extras)
     pooling: PoolingType | None = None
+    pooling_error = None
     normalize = False
     dense: list[Path] = []
     for module in _read_json(modules_file):
@@ -66,7 +69,10 @@ def read_st_modules(path: Path) -> STModules:
         if kind == "Transformer":
             continue
         if kind == "Pooling":
-            pooling = _pooling_mode(where / "config.json")
+            try:
+                pooling = _pooling_mode(where / "config.json")
+            except UnsupportedModelError as e:
+                pooling_error = str(e)
         elif kind == "Normalize":
             normalize = True
         elif kind == "Dense":
@@ -76,7 +82,14 @@ def read_st_modules(path: Path) -> STModules:
                 f"{modules_file}: sentence-transformers module {module.get('type')!r} is not supported "
                 "(ember runs Transformer, Pooling, Dense and Normalize)"
             )
-    return STModules(pooling=pooling, normalize=normalize, dense_dirs=tuple(dense), present=True, **extras)
+    return STModules(
+        pooling=pooling,
+        normalize=normalize,
+        dense_dirs=tuple(dense),
+        present=True,
+        pooling_error=pooling_error,
+        **extras,
+    )
 
 
 def _pooling_mode(file: Path) -> PoolingType:
@@ -104,7 +117,8 @@ def _read_extras(path: Path) -> dict[str, Any]:
     if st_config.is_file():
         data = _read_json(st_config)
         out["prompts"] = {k: v for k, v in (data.get("prompts") or {}).items() if isinstance(v, str)}
-        out["default_prompt_name"] = data.get("default_prompt_name")
+        name = data.get("default_prompt_name")
+        out["default_prompt_name"] = name if name in out["prompts"] else None
     bert_config = path / "sentence_bert_config.json"
     if bert_config.is_file():
         max_len = _read_json(bert_config).get("max_seq_length")
@@ -117,6 +131,8 @@ def resolve_pooling(st: STModules, override: PoolerConfig, is_decoder: bool) -> 
     if override.pooling_type is not None:
         normalize = override.normalize if override.normalize is not None else (st.normalize or not st.present)
         return PoolingSpec(override.pooling_type, normalize, "override")
+    if st.pooling_error is not None:
+        raise UnsupportedModelError(st.pooling_error)
     if st.pooling is not None:
         normalize = override.normalize if override.normalize is not None else st.normalize
         return PoolingSpec(st.pooling, normalize, "modules.json")

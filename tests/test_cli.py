@@ -1,0 +1,72 @@
+"""Command-line parsing: vLLM's flag semantics, sizes, and refusals that name the problem."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from ember.cli.flags import add_serve_flags, check_runner, parse_size
+from ember.cli.runtime import parse_bytes
+from ember.errors import ConfigError
+
+
+def serve_args(*argv):
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_serve_flags(p)
+    return p.parse_args(list(argv))
+
+
+def test_sizes_follow_vllm_suffixes():
+    assert parse_size("8192") == 8192 and parse_size("8k") == 8000 and parse_size("8K") == 8192
+    assert parse_bytes("4Gi") == parse_bytes("4G") == parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("3500M") == 3500 * 2**20 and parse_bytes("123") == 123
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+
+
+def test_vllm_command_lines_parse():
+    a = serve_args(
+        "Qwen/Qwen3-Embedding-0.6B",
+        "--runner",
+        "pooling",
+        "--max-model-len",
+        "8k",
+        "--served-model-name",
+        "qwen3",
+        "emb",
+        "--api-key",
+        "k1",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--enforce-eager",
+        "--pooler-config",
+        '{"pooling_type": "LAST"}',
+        "-tp",
+        "1",
+    )
+    assert a.model_tag == "Qwen/Qwen3-Embedding-0.6B" and a.max_model_len == 8000
+    assert a.served_model_name == ["qwen3", "emb"] and a.api_key == ["k1"] and a.gpu_memory_utilization == "0.9"
+    check_runner(a)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--runner", "generate"], "embedding models only"),
+        (["--task", "generate"], "embedding models only"),
+        (["--tensor-parallel-size", "2"], "must be 1"),
+    ],
+)
+def test_refusals_name_the_problem(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_runner(serve_args(*argv))
+
+
+def test_unknown_and_abbreviated_flags_are_errors_not_models():
+    out = subprocess.run(
+        [sys.executable, "-m", "ember.cli.main", "serve", "--no-such-flag", "2"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "unrecognized arguments" in out.stderr
+    with pytest.raises(SystemExit):
+        serve_args("--tokenizer", "x")  # not taken as --tokenizer-mode
