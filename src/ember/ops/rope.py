@@ -10,15 +10,18 @@ __all__ = ["apply_rope", "rope_cos_sin"]
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (T, head_dim) for integer positions (T,), computed in float32."""
+    """cos and signed sin of shape (T, 1, head_dim) for integer positions (T,), computed in float32.
+
+    The sin's first half is negated, so rotate-half becomes a swap of halves (see apply_rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (T, head_dim)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, H, head_dim) by cos/sin (T, head_dim)."""
+    """Rotate x (T, H, head_dim): x*cos + swap_halves(x)*signed_sin, the rotate-half form in one pass."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
