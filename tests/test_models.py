@@ -59,6 +59,13 @@ def test_qwen3_appends_endoftext_and_pools_it(qwen3, qwen3_dir):
     assert cos(by_text[0], hidden) >= 0.99999
 
 
+def test_qwen3_long_input_runs_in_token_slices_and_matches(qwen3, qwen3_dir):
+    text = " ".join(SENTENCES) * 3  # ~2,700 tokens: more than one 2,048-token slice
+    ours, counts = qwen3.embed([text])
+    assert counts[0] > 2048
+    assert cos(ours, st_reference(qwen3_dir, [text])).min() >= 0.99999
+
+
 def test_qwen3_prompts_by_name(qwen3, qwen3_dir):
     ours, counts = qwen3.embed(["what is ember?"], prompt_name="query")
     ref = st_reference(qwen3_dir, ["what is ember?"], prompt_name="query")

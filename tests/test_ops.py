@@ -44,3 +44,11 @@ def test_pooling_methods_on_packed_states():
     assert pool(hidden, [2, 4], "LAST").tolist() == [[2, 3], [10, 11]]
     torch.testing.assert_close(pool(hidden, [2, 4], "MEAN"), torch.tensor([[1.0, 2.0], [7.0, 8.0]]))
     assert F.normalize(pool(hidden.bfloat16(), [2, 4], "MEAN"), dim=-1).dtype == torch.float32
+
+
+def test_token_slices_equal_the_whole():
+    from ember.ops.tokenwise import by_token_slices
+
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    fn = lambda a, b: a * 2 + b.sum(-1, keepdim=True)  # noqa: E731
+    torch.testing.assert_close(by_token_slices(fn, x, y, size=3), fn(x, y))

@@ -72,14 +72,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per token: q, k, v projections, q/k norms and rotary; packed as (T, Hq + 2 Hkv, D)."""
         T = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim))  # (T, Hq, D)
         k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim))  # (T, Hkv, D)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = varlen_attention(q, k, v, seqlens, causal=True)  # (T, Hq, D)
-        return self.o_proj(y.reshape(T, self.n_heads * self.head_dim))
+        return torch.cat((apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), dim=1)
+
+    def attend(self, qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        """Causal attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
+        return varlen_attention(q, k, v, seqlens, causal=True).flatten(1)
 
 
 class MLP(nn.Module):
@@ -102,8 +106,19 @@ class Block(nn.Module):
         self.mlp = MLP(a)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqlens)
+        # Everything but attention is per token: run it in slices, so a long window never holds
+        # more than a slice of intermediates at once (and GEMMs stay in cache).
+        qkv = by_token_slices(self._project, x, cos, sin)  # (T, Hq + 2 Hkv, D)
+        y = self.self_attn.attend(qkv, seqlens)  # (T, Hq * D)
+        del qkv
+        x = by_token_slices(self._out_residual, x, y)
         return by_token_slices(self._mlp_residual, x)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def _out_residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn.o_proj(y)
 
     def _mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -17,16 +17,14 @@ TOKEN_SLICE = 2048
 """Tokens per slice: where GEMM throughput peaks on AVX-512/AMX CPUs (measured in benchmarks/)."""
 
 
-def by_token_slices(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, size: int = TOKEN_SLICE
-) -> torch.Tensor:
-    """fn(x) for a per-token fn on x (T, ...), computed `size` tokens at a time."""
-    n_tokens = x.shape[0]
+def by_token_slices(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, size: int = TOKEN_SLICE) -> torch.Tensor:
+    """fn(*tensors) for a per-token fn of tensors sharing their first (token) axis, `size` tokens at a time."""
+    n_tokens = tensors[0].shape[0]
     if n_tokens <= size:
-        return fn(x)
-    first = fn(x[:size])
+        return fn(*tensors)
+    first = fn(*(t[:size] for t in tensors))
     out = first.new_empty((n_tokens, *first.shape[1:]))
     out[:size] = first
     for start in range(size, n_tokens, size):
-        out[start : start + size] = fn(x[start : start + size])
+        out[start : start + size] = fn(*(t[start : start + size] for t in tensors))
     return out
