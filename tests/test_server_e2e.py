@@ -192,3 +192,39 @@ def test_bundled_default_model_serves_with_no_model_named(tmp_path):
         assert len(r.data[0].embedding) == 384
     finally:
         assert srv.stop() == 0
+
+
+def _metric(url, name):
+    text = httpx.get(url + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_disconnected_client_s_work_is_dropped_before_it_is_computed(server):
+    import json
+    import socket
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    computed_before = _metric(server.url, "ember_batch_tokens_sum")
+    usage = []
+
+    def busy():  # keeps the model busy while the other client gives up
+        body = {"model": NAME, "input": ["busy " * 60] * 256, "truncate_prompt_tokens": -1}
+        r = httpx.post(server.url + "/v1/embeddings", headers=headers, timeout=60, json=body)
+        usage.append(r.json()["usage"]["prompt_tokens"])
+
+    t = threading.Thread(target=busy)
+    t.start()
+    time.sleep(0.05)
+    body = json.dumps({"model": NAME, "input": [[7] * 30]}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.05)
+    t.join(60)
+    time.sleep(0.3)
+    assert '"POST /v1/embeddings" 499' in server.log.read_text()
+    # the model ran exactly the busy request's tokens: the 30 tokens of the client that left never ran
+    assert _metric(server.url, "ember_batch_tokens_sum") - computed_before == usage[0]

@@ -110,13 +110,17 @@ class EngineConfig:
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
+    batch_wait_seconds: float = 0.01
+    """Before starting a batch that is not full (or a long window alone), wait up to this long for more
+    requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),
+    so two queries run together cost little more than one, and closed-loop clients stop alternating."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, bool) and value <= 0:
+            if not isinstance(value, bool) and value <= 0 and f.name != "batch_wait_seconds":
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
 
 

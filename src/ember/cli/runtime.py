@@ -73,9 +73,8 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = n
     os.environ.setdefault("RAYON_NUM_THREADS", n)  # the Rust tokenizer's pool
-    # Idle OpenMP threads sleep instead of spinning: on a few cores, spinning workers starve the event
-    # loop and tokenizer between batches (measured: query p50 ~620 -> ~420 ms at 8 clients, 2 cores).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OMP_WAIT_POLICY is left to the runtime's default on purpose: ACTIVE (spin forever) starves the event
+    # loop on few cores, PASSIVE (sleep at once) doubles the time of small forwards (measured in benchmarks/).
     if plan.bind:
         os.sched_setaffinity(0, plan.bind)
         os.environ["OMP_PROC_BIND"] = "close"

@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=loaded.memory.max_queued_tokens,
         auto_truncate=args.truncate,
+        batch_wait_seconds=args.batch_wait_ms / 1000,
     )
     engine = build_engine(loaded, engine_config, pooler, tokenizer_threads=min(threads, 4))
     names = tuple(args.served_model_name or [loaded.info.name])

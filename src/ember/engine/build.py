@@ -249,6 +249,5 @@ def _load_weights(cls: type[nn.Module], config: dict[str, Any], path: Path, dtyp
 
 
 def build_engine(loaded: Loaded, config: EngineConfig, pooler: PoolerConfig, tokenizer_threads: int = 1) -> AsyncEngine:
-    """The async engine over a loaded model, warmed up so the first request pays no first-call cost."""
-    loaded.runner.embed([loaded.tokenizer.encode("warm up")])
+    """The async engine over a loaded model (it warms the model up on its own thread when started)."""
     return AsyncEngine(loaded.runner, loaded.tokenizer, config, pooler, tokenizer_threads=tokenizer_threads)
