@@ -24,7 +24,8 @@ def reference_tokens_per_s(model: str, dtype: str, keys: list[str], st: bool = F
 
         m = SentenceTransformer(path, device="cpu", model_kwargs={"dtype": dt})
         encode = lambda texts, bs: m.encode(texts, batch_size=bs)  # noqa: E731
-        count = lambda texts: sum(len(m.tokenizer(t)["input_ids"]) for t in texts)  # noqa: E731
+        # sentence-transformers truncates at max_seq_length: count what it really embedded
+        count = lambda texts: sum(min(m.max_seq_length, len(m.tokenizer(t)["input_ids"])) for t in texts)  # noqa: E731
     else:
         from transformers import AutoModel, AutoTokenizer
 
