@@ -12,7 +12,7 @@ from typing import Any, Literal, cast, get_args
 from ember.errors import ConfigError
 from ember.types import PoolingType
 
-__all__ = ["DType", "EngineConfig", "PoolerConfig", "ServerConfig", "check_dtype"]
+__all__ = ["DType", "EngineConfig", "PoolerConfig", "ServerConfig", "check_dtype", "parse_json_object"]
 
 DType = Literal["auto", "float32", "bfloat16"]
 _POOLING_NAMES = {"CLS", "MEAN", "LAST"}
@@ -42,12 +42,7 @@ class PoolerConfig:
         """Build from the flag's JSON text or a dict; every error names the flag."""
         if raw is None or raw == "":
             return cls()
-        data = raw
-        if isinstance(raw, str):
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+        data = parse_json_object(raw, flag) if isinstance(raw, str) else raw
         if not isinstance(data, dict):
             raise ConfigError(f"{flag} must be a JSON object, got {raw!r}")
         known = {f.name for f in fields(cls)}
@@ -85,6 +80,17 @@ def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{flag}: {name} must be a positive integer, got {value!r}")
     return kw
+
+
+def parse_json_object(raw: str, flag: str) -> dict[str, Any]:
+    """A flag's JSON object (--pooler-config, --hf-overrides); errors name the flag."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {raw!r}")
+    return data
 
 
 def check_dtype(value: str, flag: str = "--dtype") -> DType:

@@ -7,11 +7,11 @@ that only mean something on a GPU are accepted with a one-line warning saying so
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from typing import Any
 
+from ember.config import parse_json_object
 from ember.errors import ConfigError
 
 __all__ = [
@@ -67,15 +67,7 @@ def parse_size(value: str) -> int:
 
 
 def parse_json_flag(raw: str | None, flag: str) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{flag} must be a JSON object")
-    return data
+    return None if raw is None else parse_json_object(raw, flag)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
