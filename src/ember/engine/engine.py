@@ -32,6 +32,9 @@ __all__ = ["AsyncEngine", "EmbedParams", "EmbedResult"]
 
 log = logging.getLogger(__name__)
 
+_INLINE_TOKENIZE_CHARS = 2048
+"""Requests up to this many characters (or token ids) are tokenised on the event loop itself."""
+
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
 
@@ -160,7 +163,10 @@ class AsyncEngine:
         check_dimensions(self.info, dimensions)
         if self.queued_requests >= self.config.max_queued_requests:
             raise self._overloaded()
-        seqs = await self.run_in_tokenizer(tokenize, self.tokenizer, items, params.prompt, params.add_special_tokens)
+        args = (self.tokenizer, items, params.prompt, params.add_special_tokens)
+        small = sum(len(x) for x in items) <= _INLINE_TOKENIZE_CHARS
+        # a short request tokenises in microseconds: handing it to a thread would cost more
+        seqs = tokenize(*args) if small else await self.run_in_tokenizer(tokenize, *args)
         request = self._admit([self._fit(ids, params) for ids in seqs])
         try:
             await request.future
