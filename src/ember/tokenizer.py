@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ember.errors import CheckpointError, InputError
 from ember.types import Specials
 
-__all__ = ["Tokenizer", "set_tokenizer_threads"]
+__all__ = ["Tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,3 @@ def _eos_id(path: Path, hf: HFTokenizer) -> int | None:
             return eos_id
     return None
 
-
-def set_tokenizer_threads(n: int) -> None:
-    """Size the Rust tokenizer's thread pool (must run before its first parallel encode)."""
-    os.environ["RAYON_NUM_THREADS"] = str(max(1, n))
