@@ -113,4 +113,3 @@ def _eos_id(path: Path, hf: HFTokenizer) -> int | None:
         if isinstance(eos_id, int):
             return eos_id
     return None
-
