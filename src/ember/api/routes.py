@@ -133,6 +133,13 @@ async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, Emb
     return ctx, result
 
 
+async def _vectors(request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str) -> Response:
+    """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order."""
+    ctx, result = await _embed(request, body)
+    data = [{"index": i, "object": kind, field: _encode(v, body.encoding_format)} for i, v in enumerate(result.vectors)]
+    return JSONBytes(_envelope(ctx, request, prefix, data, sum(result.token_counts)))
+
+
 def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     return {
         "id": f"{prefix}-{request.state.request_id}",
@@ -153,23 +160,13 @@ def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, 
 @inference.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings endpoint, with vLLM's extras."""
-    ctx, result = await _embed(request, body)
-    data = [
-        {"index": i, "object": "embedding", "embedding": _encode(v, body.encoding_format)}
-        for i, v in enumerate(result.vectors)
-    ]
-    return JSONBytes(_envelope(ctx, request, "embd", data, sum(result.token_counts)))
+    return await _vectors(request, body, prefix="embd", kind="embedding", field="embedding")
 
 
 @inference.post("/pooling", response_model=PoolingResponse)
 async def pooling(body: EmbeddingRequest, request: Request) -> Response:
     """vLLM's pooling endpoint: the pooled vectors under `data`."""
-    ctx, result = await _embed(request, body)
-    data = [
-        {"index": i, "object": "pooling", "data": _encode(v, body.encoding_format)}
-        for i, v in enumerate(result.vectors)
-    ]
-    return JSONBytes(_envelope(ctx, request, "pool", data, sum(result.token_counts)))
+    return await _vectors(request, body, prefix="pool", kind="pooling", field="data")
 
 
 @inference.post("/tokenize", response_model=TokenizeResponse)
