@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -125,3 +126,13 @@ def test_serve_under_a_tight_memory_limit_answers_a_burst_with_429_not_oom(tmp_p
         finally:
             srv.stop()
             time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "32"), ("500", "500")])
+def test_onednn_kernel_cache_is_bounded_unless_the_operator_sets_it(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if given:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+    code = "import os; from ember.engine.build import set_threads; set_threads(1); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +72,16 @@ class Limits:
     """Bytes to plan for instead of the detected cgroup limit or available memory (--memory-limit)."""
 
 
+KERNEL_CACHE = 32
+"""oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY). Every distinct GEMM shape is a primitive
+holding its own buffers; oneDNN's default of 1,024 let a server fed varied batch sizes grow by
+~600 MB (measured, docs/benchmarks.md). One forward uses about a dozen shapes."""
+
+
 def set_threads(threads: int) -> None:
-    """Size torch's intra-op pool (OMP, MKL, oneDNN follow it) and keep inter-op work on one thread."""
+    """Size torch's intra-op pool (OMP, MKL, oneDNN follow it), keep inter-op work on one thread,
+    and bound oneDNN's per-shape kernel cache (read at the first matmul; an operator's value wins)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE))
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # settable only before the first parallel region
         torch.set_num_interop_threads(1)
