@@ -3,6 +3,7 @@
     python benchmarks/run.py                       # Qwen3-Embedding-0.6B-shaped model (built if missing)
     python benchmarks/run.py --model minilm        # the bundled all-MiniLM-L6-v2, sentence-transformers reference
     python benchmarks/run.py --peer-url URL        # also drive another OpenAI-compatible server (e.g. vLLM)
+    python benchmarks/run.py --peer-url URL --peer-cmd "CMD"   # start it too: its time to ready and peak RSS
 
 Never run it beside tests or another benchmark: on 2 cores, anything else running spoils the timing.
 Prints a table (tokens/s, p50/p99, peak RSS, time to ready, ratio to the reference and to the compute
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from proctree import PeakRss  # noqa: E402
 from reference import reference_tokens_per_s  # noqa: E402
 from roofline import compute_limit  # noqa: E402
 
@@ -34,20 +38,37 @@ QWEN_DIR = ROOT / "models" / "qwen3-emb-0.6b-random"
 
 def start_server(model: str, extra: list[str], port: int = 18123) -> tuple[subprocess.Popen[bytes], float]:
     cmd = [sys.executable, "-m", "ember.cli.main", "serve", model, "--port", str(port), "--host", "127.0.0.1", *extra]
+    return launch(cmd, f"http://127.0.0.1:{port}", ROOT / "benchmarks/results/server.log")
+
+
+def launch(cmd: list[str] | str, url: str, log_path: Path) -> tuple[subprocess.Popen[bytes], float]:
+    """Start a server (in its own process group) and wait for its /health: (process, seconds to ready)."""
     start = time.perf_counter()
-    with open(ROOT / "benchmarks/results/server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, shell=isinstance(cmd, str), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"ember serve exited: see {ROOT / 'benchmarks/results/server.log'}")
+            raise SystemExit(f"server exited: see {log_path}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, time.perf_counter() - start
         except httpx.HTTPError:
             time.sleep(0.1)
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def peak_rss(pid: int) -> int:
+    """The kernel's high-water mark of one process (VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -65,6 +86,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--peer-url", default=None, help="another OpenAI-compatible server to drive the same way")
     ap.add_argument("--peer-model", default=None)
+    ap.add_argument(
+        "--peer-cmd", default=None, help="shell command that starts the peer (timed to ready, RSS of its process tree)"
+    )
     ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
     keys = args.workloads.split(",")
@@ -82,26 +106,44 @@ def main() -> None:
     limit = compute_limit(model, args.dtype)
     proc, ready = start_server(model, ["--dtype", args.dtype, *extra])
     try:
-        ours = drive("http://127.0.0.1:18123", model, keys)
-        rss = peak_rss(proc.pid)
+        with PeakRss(proc.pid) as sampled:
+            ours = drive("http://127.0.0.1:18123", model, keys)
+        rss = max(peak_rss(proc.pid), sampled.bytes)
     finally:
-        proc.terminate()
-        proc.wait()
-    peer = drive(args.peer_url, args.peer_model or model, keys) if args.peer_url else {}
+        stop(proc)
+    peer, peer_mem = drive_peer(args, model, keys) if args.peer_url else ({}, {})
     ref = {} if args.no_reference else reference_tokens_per_s(model, args.dtype, keys, st=args.model == "minilm")
-    report(name, keys, ours, peer, ref, limit, ready, rss, args)
+    report(name, keys, ours, peer, ref, limit, ready, rss, args, peer_mem)
 
 
-def report(name, keys, ours, peer, ref, limit, ready, rss, args) -> None:
+def drive_peer(args: argparse.Namespace, model: str, keys: list[str]) -> tuple[dict[str, Result], dict[str, float]]:
+    """The same workloads against the peer; started (and measured) here when --peer-cmd is given."""
+    if not args.peer_cmd:
+        return drive(args.peer_url, args.peer_model or model, keys), {}
+    proc, ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
+    try:
+        with PeakRss(proc.pid) as peak:
+            results = drive(args.peer_url, args.peer_model or model, keys)
+    finally:
+        stop(proc)
+    return results, {"time_to_ready_s": ready, "peak_rss_bytes": peak.bytes}
+
+
+def report(name, keys, ours, peer, ref, limit, ready, rss, args, peer_mem) -> None:
     print(
         f"\nmodel {name}, dtype {args.dtype}; compute limit {limit['tokens_per_s']:.0f} tok/s "
         f"({limit['gflops']:.0f} GFLOPS, {limit['gflop_per_token']:.2f} GFLOP/token); "
         f"time to ready {ready:.1f} s; server peak RSS {rss / 2**30:.2f} GiB"
     )
+    if peer_mem:
+        print(
+            f"peer: time to ready {peer_mem['time_to_ready_s']:.1f} s; "
+            f"peak RSS of its processes {peer_mem['peak_rss_bytes'] / 2**30:.2f} GiB"
+        )
     header = f"{'workload':55s} {'ember tok/s':>11s} {'p50 ms':>8s} {'p99 ms':>8s} {'ref tok/s':>10s} {'x ref':>6s}"
     header += f" {'x limit':>7s}"
     if peer:
-        header += f" {'peer tok/s':>10s} {'x peer':>6s}"
+        header += f" {'peer tok/s':>10s} {'p50':>7s} {'p99':>7s} {'x peer':>6s}"
     print(header)
     rows = []
     for k in keys:
@@ -113,7 +155,8 @@ def report(name, keys, ours, peer, ref, limit, ready, rss, args) -> None:
             f"{r.tokens_per_s / limit['tokens_per_s']:7.2f}"
         )
         if peer:
-            line += f" {peer[k].tokens_per_s:10.1f} {r.tokens_per_s / peer[k].tokens_per_s:6.2f}"
+            p = peer[k]
+            line += f" {p.tokens_per_s:10.1f} {p.p50_ms:7.0f} {p.p99_ms:7.0f} {r.tokens_per_s / p.tokens_per_s:6.2f}"
         print(line)
         rows.append(
             {
@@ -124,6 +167,8 @@ def report(name, keys, ours, peer, ref, limit, ready, rss, args) -> None:
                 "p99_ms": r.p99_ms,
                 "reference_tokens_per_s": ref_tps,
                 "peer_tokens_per_s": peer[k].tokens_per_s if peer else None,
+                "peer_p50_ms": peer[k].p50_ms if peer else None,
+                "peer_p99_ms": peer[k].p99_ms if peer else None,
             }
         )
     out = ROOT / "benchmarks" / "results" / f"{name}-{args.dtype}.json"
@@ -135,6 +180,7 @@ def report(name, keys, ours, peer, ref, limit, ready, rss, args) -> None:
                 "limit": limit,
                 "time_to_ready_s": ready,
                 "peak_rss_bytes": rss,
+                "peer": {"url": args.peer_url, "cmd": args.peer_cmd, **peer_mem} if peer else None,
                 "rows": rows,
             },
             indent=2,
