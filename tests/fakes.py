@@ -39,6 +39,8 @@ class FakeRunner:
         self.fail_when = None  # a predicate on the batch that makes it raise
         self.gate = threading.Event()
         self.gate.set()
+        self.compile_error: Exception | None = None
+        self.compiled = threading.Event()
 
     def embed(self, batch: list[list[int]]) -> np.ndarray:
         self.gate.wait(10)
@@ -48,6 +50,11 @@ class FakeRunner:
         if self.delay:
             time.sleep(self.delay * sum(len(s) for s in batch))
         return np.stack([self.table[ids].mean(0) for ids in batch])
+
+    def compile(self) -> None:
+        if self.compile_error is not None:
+            raise self.compile_error
+        self.compiled.set()
 
     def expected(self, ids: list[int]) -> np.ndarray:
         v = self.table[ids].mean(0)

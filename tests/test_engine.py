@@ -192,3 +192,34 @@ def test_truncation_keeps_special_tokens_and_counts_what_was_embedded(runner, to
     assert right.token_counts == [8] and left.token_counts == [32]
     np.testing.assert_allclose(right.vectors[0], runner.expected([*ids[:7], ids[-1]]), atol=1e-6)
     np.testing.assert_allclose(left.vectors[0], runner.expected([ids[0], *ids[-31:]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("no C++ compiler after all")])
+def test_kernels_compile_beside_serving_and_a_failed_compile_keeps_serving(runner, tokenizer, error):
+    runner.compile_error = error
+
+    async def main():
+        engine = await _started(runner, tokenizer, compile_kernels=True)
+        result = await engine.embed(["served while compiling"])
+        for _ in range(200):
+            if engine.kernels != "compiling":
+                break
+            await asyncio.sleep(0.01)
+        after = await engine.embed(["served after"])
+        await engine.stop()
+        return engine.kernels, result, after
+
+    kernels, result, after = run(main())
+    assert kernels == ("failed" if error else "compiled")
+    assert len(result.vectors) == len(after.vectors) == 1
+    assert runner.compiled.is_set() == (error is None)
+
+
+def test_kernels_are_not_compiled_unless_asked(runner, tokenizer):
+    async def main():
+        engine = await _started(runner, tokenizer)
+        await engine.embed(["x"])
+        await engine.stop()
+        return engine.kernels
+
+    assert run(main()) == "eager" and not runner.compiled.is_set()

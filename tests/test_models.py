@@ -73,9 +73,13 @@ def test_qwen3_prompts_by_name(qwen3, qwen3_dir):
     assert counts[0] > len(qwen3.tokenizer.encode("what is ember?"))
 
 
-def test_qwen3_bfloat16_stays_close(qwen3_dir):
-    ours, _ = Embedder(str(qwen3_dir), dtype="bfloat16").embed(TEXTS)
-    assert cos(ours, st_reference(qwen3_dir, TEXTS)).min() >= 0.999
+@pytest.mark.parametrize(("dtype", "bar"), [("float32", 0.99999), ("bfloat16", 0.999)])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["fused", "eager"])
+def test_qwen3_fused_and_eager_kernels_match_the_reference(qwen3_dir, dtype, bar, enforce_eager):
+    embedder = Embedder(str(qwen3_dir), dtype=dtype, enforce_eager=enforce_eager)
+    assert embedder._loaded.runner.compiled is not enforce_eager
+    ours, _ = embedder.embed(TEXTS)
+    assert cos(ours, st_reference(qwen3_dir, TEXTS)).min() >= bar
 
 
 def test_qwen3_causal_lm_checkpoint_with_model_prefix(tmp_path, qwen3):
@@ -115,6 +119,8 @@ def test_encoders_match_sentence_transformers(tmp_path, kw):
     assert cos(ours, alone).min() >= 0.99999
     bf16, _ = Embedder(str(path), dtype="bfloat16").embed(TEXTS)
     assert cos(bf16, ref).min() >= 0.999
+    eager, _ = Embedder(str(path), dtype="float32", enforce_eager=True).embed(TEXTS)
+    assert cos(eager, ref).min() >= 0.99999
 
 
 def test_matryoshka_dimensions_truncate_before_normalising(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from corpus import SENTENCES
 from ember import Embedder
-from ember.testing import build_bert
+from ember.testing import build_bert, build_qwen3
 from server import Server
 
 KEY = "test-key"
@@ -246,3 +246,19 @@ def test_a_disconnected_client_s_work_is_dropped_before_it_is_computed(model_dir
         assert _metric(srv.url, "ember_batch_tokens_sum") == usage[0]
     finally:
         srv.stop()
+
+
+def test_the_server_compiles_fused_kernels_in_the_background_and_answers_the_same(tmp_path):
+    path = build_qwen3(tmp_path / "qwen3")
+    texts = [SENTENCES[0], SENTENCES[50] * 4, "a", *SENTENCES[1:6]]  # short, long (own attention call), 1 token
+    eager, _ = Embedder(str(path), dtype="float32", enforce_eager=True).embed(texts)
+    srv = Server([str(path), "--dtype", "float32"], tmp_path / "log", compile=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "fused kernels compiled" not in srv.log.read_text():
+            assert time.monotonic() < deadline and "could not be compiled" not in srv.log.read_text()
+            time.sleep(0.5)
+        data = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60).json()["data"]
+    finally:
+        srv.stop()
+    assert min(cos(d["embedding"], e) for d, e in zip(data, eager, strict=True)) >= 0.99999

@@ -122,6 +122,9 @@ class EngineConfig:
     so two queries run together cost little more than one, and closed-loop clients stop alternating."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
+    compile_kernels: bool = False
+    """After warm-up, build the fused elementwise kernels (torch.compile) on a background thread while
+    serving eagerly, then switch to them (on by default in `ember serve`; off with --enforce-eager)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

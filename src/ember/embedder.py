@@ -14,6 +14,7 @@ from ember.config import DType, PoolerConfig, check_dtype
 from ember.engine.build import Loaded, load, set_threads
 from ember.engine.inputs import check_dimensions, fit_length, prompt_text, split_inputs, tokenize
 from ember.engine.scheduler import plan_batches
+from ember.ops.fused import can_compile
 from ember.ops.head import embed_windows
 from ember.resources import cpu_budget
 from ember.types import ModelInfo
@@ -45,6 +46,7 @@ class Embedder:
         auto_truncate: bool = False,
         threads: int | None = None,
         quantization: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
         pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
@@ -57,6 +59,8 @@ class Embedder:
             hf_overrides=hf_overrides,
             quantization=quantization,
         )
+        if not enforce_eager and can_compile():  # fused kernels, built now (a few seconds, cached on disk)
+            self._loaded.runner.compile()
         self.pooler = pooler
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs

@@ -75,3 +75,7 @@ class Runner(Protocol):
     def embed(self, batch: list[list[int]]) -> np.ndarray:
         """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation)."""
         ...
+
+    def compile(self) -> None:
+        """Builds faster kernels; called once, on its own thread, while embed() keeps serving."""
+        ...

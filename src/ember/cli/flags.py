@@ -32,7 +32,6 @@ IGNORED_FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "ember keeps no KV cache",
     "--block-size": "ember keeps no KV cache",
     "--enable-prefix-caching": "ember keeps no KV cache",
-    "--enforce-eager": "ember always runs eagerly",
     "--pipeline-parallel-size": "ember runs one process on CPU",
     "--distributed-executor-backend": "ember runs one process on CPU",
     "--device": "ember runs on CPU",
@@ -50,7 +49,7 @@ IGNORED_FLAGS: dict[str, str] = {
     "--uvicorn-log-level": "use --log-level",
 }
 _IGNORED_SWITCHES = {
-    "--enforce-eager", "--enable-prefix-caching", "--disable-log-requests", "--enable-log-requests",
+    "--enable-prefix-caching", "--disable-log-requests", "--enable-log-requests",
     "--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code", "--enable-chunked-prefill",
     "--disable-frontend-multiprocessing",
 }  # fmt: skip
@@ -95,6 +94,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
     p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never compile the fused kernels (by default they are built in the background after start-up)",
+    )
     p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
     p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')
     p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])

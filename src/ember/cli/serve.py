@@ -49,6 +49,18 @@ def uvicorn_server() -> type:
     return uvicorn.Server
 
 
+def compile_kernels(enforce_eager: bool) -> bool:
+    """Fused kernels unless told not to, where a C++ compiler can build them."""
+    from ember.ops.fused import can_compile
+
+    if enforce_eager:
+        return False
+    if not can_compile():
+        log.warning("no C++ compiler (g++) found: serving with eager kernels, ~1.3x slower; install g++ to fix")
+        return False
+    return True
+
+
 def _serve(args: argparse.Namespace, threads: int) -> int:
     import uvicorn
 
@@ -85,6 +97,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         max_queued_tokens=loaded.memory.max_queued_tokens,
         auto_truncate=args.truncate,
         batch_wait_seconds=args.batch_wait_ms / 1000,
+        compile_kernels=compile_kernels(args.enforce_eager),
     )
     engine = build_engine(loaded, engine_config, pooler, tokenizer_threads=min(threads, 4))
     names = tuple(args.served_model_name or [loaded.info.name])

@@ -107,6 +107,9 @@ class AsyncEngine:
         self.observer = observer
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
         self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
+        self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-compile")
+        self.kernels = "eager"
+        """eager, compiling, compiled or failed (then it stays eager): see EngineConfig.compile_kernels."""
         self._heap: list[_Item] = []
         self._heap_tokens = 0
         self._counter = itertools.count()
@@ -136,8 +139,24 @@ class AsyncEngine:
         that warmed the OpenMP/oneDNN state up runs up to 2x slower."""
         self._wakeup = asyncio.Event()
         warm = [self.tokenizer.encode("warm up")]
-        await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.embed, warm)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._model_thread, self.runner.embed, warm)
         self._task = asyncio.create_task(self._run(), name="ember-scheduler")
+        if self.config.compile_kernels:
+            self.kernels = "compiling"
+            loop.run_in_executor(self._compile_thread, self._compile)
+
+    def _compile(self) -> None:
+        """Builds the fused kernels beside serving (the model thread keeps running eagerly meanwhile)."""
+        start = time.perf_counter()
+        try:
+            self.runner.compile()
+        except Exception:  # a compiler problem must never take serving down: stay eager
+            self.kernels = "failed"
+            log.warning("fused kernels could not be compiled; serving with eager kernels", exc_info=True)
+            return
+        self.kernels = "compiled"
+        log.info("fused kernels compiled in %.1fs; serving with them", time.perf_counter() - start)
 
     async def stop(self, grace_seconds: float = 30.0) -> None:
         """Refuse new work, let queued and running requests finish (up to the grace period), stop."""
@@ -150,6 +169,7 @@ class AsyncEngine:
             await asyncio.gather(self._task, return_exceptions=True)
         self._model_thread.shutdown(wait=True, cancel_futures=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_thread.shutdown(wait=False, cancel_futures=True)
 
     async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run tokenizer work off the event loop."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ember.models.dense import Dense
+from ember.ops.fused import compiled, compiling
 from ember.ops.pooling import pool
 from ember.types import ModelInfo
 
@@ -24,6 +25,8 @@ class TorchRunner:
         self.model = model
         self.info = info
         self.dense = dense or []
+        self.compiled = False
+        """True once compile() has built the fused kernels: embed() then uses them."""
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> np.ndarray:
@@ -31,11 +34,18 @@ class TorchRunner:
         flat = np.fromiter((t for ids in batch for t in ids), dtype=np.int64, count=sum(seqlens))
         input_ids = torch.from_numpy(flat)  # (T,)
         positions = _positions(seqlens)  # (T,)
-        hidden = self.model(input_ids, positions, seqlens)  # (T, H)
+        with compiled(self.compiled):
+            hidden = self.model(input_ids, positions, seqlens)  # (T, H)
         pooled = pool(hidden, seqlens, self.info.pooling.method)  # (B, H) float32
         for dense in self.dense:
             pooled = dense(pooled)
         return pooled.numpy()
+
+    def compile(self) -> None:
+        """Compiles the model's fused kernels with a small forward on this thread; then every thread uses them."""
+        with compiling():
+            self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
+        self.compiled = True
 
 
 def _positions(seqlens: list[int]) -> torch.Tensor:

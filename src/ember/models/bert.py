@@ -6,6 +6,7 @@ bidirectional attention inside each sequence. Parameter names are the checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,16 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import UnsupportedModelError
+from ember.ops import fused
 from ember.ops.attention import varlen_attention
 from ember.ops.norms import layer_norm
 from ember.ops.tokenwise import by_token_slices
 
 __all__ = ["BertArgs", "BertModel"]
 
-_ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": fused.gelu,
+    "gelu_new": fused.gelu_tanh,
+    "gelu_pytorch_tanh": fused.gelu_tanh,
     "relu": F.relu,
     "silu": F.silu,
 }
@@ -116,7 +118,8 @@ class DenseNorm(nn.Module):
         self.LayerNorm = LayerNorm(d_out, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        ln = self.LayerNorm
+        return fused.add_layer_norm(self.dense(x), residual, ln.weight, ln.bias, ln.eps)
 
 
 class Attention(nn.Module):

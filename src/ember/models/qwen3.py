@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.ops.attention import varlen_attention
-from ember.ops.norms import rms_norm
-from ember.ops.rope import apply_rope, rope_cos_sin
+from ember.ops.fused import qk_norm_rope, rms_norm, silu_mul
+from ember.ops.rope import rope_cos_sin
 from ember.ops.tokenwise import by_token_slices
 
 __all__ = ["Qwen3Args", "Qwen3Model"]
@@ -75,10 +74,10 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Per token: q, k, v projections, q/k norms and rotary; packed as (T, Hq + 2 Hkv, D)."""
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim))  # (T, Hq, D)
-        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim))  # (T, Hkv, D)
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
-        return torch.cat((apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), dim=1)
+        return qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
 
     def attend(self, qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         """Causal attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
@@ -94,7 +93,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
