@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ember.cli.bench import WORKLOADS, make_texts
+from ember.cli.bench import WORKLOADS
 from ember.engine.build import set_threads
 from ember.models.checkpoint import resolve_model
 from ember.resources import cpu_budget
@@ -45,7 +45,7 @@ def reference_tokens_per_s(model: str, dtype: str, keys: list[str], st: bool = F
         if not n:
             continue
         w = WORKLOADS[k]
-        texts = make_texts(w.lengths)[:n]
+        texts = w.texts()[:n]
         encode(texts[:1], 1)  # warm up
         bs = 1 if k == "queries" else 16
         start = time.perf_counter()

@@ -12,6 +12,7 @@ import json
 import random
 import statistics
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,11 @@ class Workload:
     lengths: tuple[int, ...]  # approximate tokens per input
     per_request: int  # inputs per request
     concurrency: int  # requests in flight
+
+    def texts(self) -> list[str]:
+        """The inputs, from a seed of the workload's own: no two workloads share a prefix, so a server
+        with a prefix cache (vLLM) reuses nothing across them (the 8k and 12k documents would share 8k)."""
+        return make_texts(self.lengths, seed=zlib.crc32(self.name.encode()))
 
 
 def _lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
@@ -70,7 +76,7 @@ async def run_workload(url: str, model: str, w: Workload, api_key: str | None = 
     """Send the workload with `w.concurrency` requests in flight; usage gives the exact tokens."""
     import httpx
 
-    texts = make_texts(w.lengths)
+    texts = w.texts()
     batches = [texts[i : i + w.per_request] for i in range(0, len(texts), w.per_request)]
     queue: asyncio.Queue[list[str]] = asyncio.Queue()
     for b in batches:
