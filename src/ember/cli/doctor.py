@@ -51,6 +51,7 @@ def _machine(threads: int) -> dict[str, Any]:
     import torch
 
     from ember.engine.build import auto_dtype, gemm_gflops
+    from ember.ops.fused import can_compile
 
     flags = cpu_flags()
     cpu, mem = cpu_budget(), memory_budget()
@@ -73,6 +74,7 @@ def _machine(threads: int) -> dict[str, Any]:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "allocator": os.environ.get("EMBER_ALLOCATOR_SET", "system malloc"),
+            "fused_kernels": "compiled in the background (g++ found)" if can_compile() else "eager (no C++ compiler)",
         },
         "auto_dtype": str(auto_dtype()).removeprefix("torch."),
         "gemm_gflops": {
