@@ -32,10 +32,11 @@ class Workload:
     per_request: int  # inputs per request
     concurrency: int  # requests in flight
 
-    def texts(self) -> list[str]:
-        """The inputs, from a seed of the workload's own: no two workloads share a prefix, so a server
-        with a prefix cache (vLLM) reuses nothing across them (the 8k and 12k documents would share 8k)."""
-        return make_texts(self.lengths, seed=zlib.crc32(self.name.encode()))
+    def texts(self, round: int = 0) -> list[str]:
+        """The inputs, from a seed of the workload's own (and the round's, when repeated): nothing is
+        shared across workloads or rounds, so a server with a prefix cache (vLLM) reuses nothing (the
+        8k and 12k documents would share 8k tokens; a repeated round would be served from the cache)."""
+        return make_texts(self.lengths, seed=zlib.crc32(self.name.encode()) + round)
 
 
 def _lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
@@ -72,11 +73,11 @@ class Result:
         return self.tokens / self.seconds
 
 
-async def run_workload(url: str, model: str, w: Workload, api_key: str | None = None) -> Result:
+async def run_workload(url: str, model: str, w: Workload, api_key: str | None = None, round: int = 0) -> Result:
     """Send the workload with `w.concurrency` requests in flight; usage gives the exact tokens."""
     import httpx
 
-    texts = w.texts()
+    texts = w.texts(round)
     batches = [texts[i : i + w.per_request] for i in range(0, len(texts), w.per_request)]
     queue: asyncio.Queue[list[str]] = asyncio.Queue()
     for b in batches:
