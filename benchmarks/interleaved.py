@@ -14,17 +14,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from proctree import PeakRss  # noqa: E402
+from proctree import PeakRss, tree_pids  # noqa: E402
 from run import QWEN_DIR, ROOT, launch, start_server, stop  # noqa: E402
 
 from ember.cli.bench import WORKLOADS, Result, run_workload  # noqa: E402
+
+
+@contextmanager
+def frozen(pid: int | None):
+    """SIGSTOP a server's whole process tree for the block (None: do nothing): an idle neighbour's
+    background threads otherwise take CPU from the server being measured."""
+    pids = tree_pids(pid) if pid else []
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
 
 
 def main() -> None:
@@ -33,6 +50,7 @@ def main() -> None:
     ap.add_argument("--peer-model", required=True)
     ap.add_argument("--peer-cmd", required=True)
     ap.add_argument("--workloads", default="bulk:3,queries:3,mixed:2", help="key:rounds, comma-separated")
+    ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
     args = ap.parse_args()
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
     extra = ["--dtype", "bfloat16", "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
@@ -47,7 +65,9 @@ def main() -> None:
                     order = ["ember", "peer"] if r % 2 == 0 else ["peer", "ember"]
                     for who in order:
                         url, model = servers[who]
-                        res = asyncio.run(run_workload(url, model, WORKLOADS[key], round=r))  # new texts per round
+                        idle = (peer if who == "ember" else ours).pid if args.freeze_idle else None
+                        with frozen(idle):
+                            res = asyncio.run(run_workload(url, model, WORKLOADS[key], round=r))  # new texts per round
                         results[key][who].append(res)
                         print(
                             f"{key} round {r + 1} {who}: {res.tokens_per_s:.0f} tok/s p50 {res.p50_ms:.0f}", flush=True
