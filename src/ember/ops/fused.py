@@ -8,7 +8,6 @@ built them they run eagerly, so a model works the same with or without a C++ com
 
 from __future__ import annotations
 
-import logging
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from ember.ops.rope import apply_rope
 
 __all__ = [
     "Fused",
@@ -28,7 +29,6 @@ __all__ = [
     "silu_mul",
 ]
 
-log = logging.getLogger(__name__)
 _local = threading.local()
 
 
@@ -108,12 +108,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms(x, weight, eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # rotate-half with a signed sin (ops/rope.py): x*cos + swap_halves(x)*sin
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 @Fused
 def qk_norm_rope(
     q: torch.Tensor,
@@ -130,7 +124,7 @@ def qk_norm_rope(
     qn = _rms(q, q_weight, eps).to(q.dtype).float()
     kn = _rms(k, k_weight, eps).to(k.dtype).float()
     cf, sf = cos.float(), sin.float()
-    return torch.cat((_rope(qn, cf, sf).to(q.dtype), _rope(kn, cf, sf).to(k.dtype), v), dim=1)
+    return torch.cat((apply_rope(qn, cf, sf).to(q.dtype), apply_rope(kn, cf, sf).to(k.dtype), v), dim=1)
 
 
 @Fused
