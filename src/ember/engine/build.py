@@ -200,10 +200,9 @@ def plan_model_memory(
     longest = max_model_len or min(positions, st_max or positions)
     params = parameter_count(path)
     weights = params * size
-    if quantization == "int8":  # feed-forward matrices at one byte, the rest in the compute dtype
-        ffn = config["num_hidden_layers"] * config["hidden_size"] * config.get("intermediate_size", 0)
-        ffn *= 3 if config.get("model_type") == "qwen3" else 2
-        weights = (params - ffn) * size + ffn
+    if quantization == "int8":  # the quantised matrices at one byte, the rest in the compute dtype
+        q8 = int8_parameter_count(config)
+        weights = (params - q8) * size + q8
     return plan_memory(
         memory,
         weights_bytes=weights,
@@ -215,6 +214,20 @@ def plan_model_memory(
         limit_override=limits.memory_limit,
         dtype_bytes=size,
     )
+
+
+def int8_parameter_count(config: dict[str, Any]) -> int:
+    """Weights that --quantization int8 stores at one byte: every linear layer of a Qwen3, the
+    feed-forward ones of an encoder (see each model's int8_layers)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    inter = config.get("intermediate_size", 4 * hidden)
+    if config.get("model_type") != "qwen3":
+        return layers * 2 * hidden * inter
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim  # q, o; k, v
+    return layers * (attention + 3 * hidden * inter)
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ember.ops.attention import varlen_attention
-from ember.ops.fused import qk_norm_rope, rms_norm, silu_mul
+from ember.ops.fused import Fused, qk_norm_rope, rms_norm, silu_mul
+from ember.ops.quant import Int8Linear
 from ember.ops.rope import rope_cos_sin
 from ember.ops.tokenwise import by_token_slices
 
@@ -96,6 +97,10 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _holds_int8(block: Block) -> bool:
+    return isinstance(block.mlp.down_proj, Int8Linear)
+
+
 class Block(nn.Module):
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
@@ -113,12 +118,18 @@ class Block(nn.Module):
         x = by_token_slices(self._out_residual, x, y)
         return by_token_slices(self._mlp_residual, x)
 
+    # With int8 weights each per-token stretch is compiled as one region, so the activations'
+    # quantisation and rescaling fuse into the norms, rotary and SwiGLU around the int8 GEMMs.
+    # (In bf16 that measured slower than fusing the elementwise functions alone.)
+    @Fused.region(when=_holds_int8)
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
+    @Fused.region(when=_holds_int8)
     def _out_residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + self.self_attn.o_proj(y)
 
+    @Fused.region(when=_holds_int8)
     def _mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -127,7 +138,7 @@ class Qwen3Model(nn.Module):
     """The Qwen3 decoder without its LM head: token ids in, final hidden states out."""
 
     is_decoder = True
-    int8_layers = r"\.mlp\."  # feed-forward matrices, quantised by --quantization int8
+    int8_layers = r"\.(mlp|self_attn)\.\w+_proj$"  # every linear layer, for --quantization int8
 
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()

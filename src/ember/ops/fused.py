@@ -8,6 +8,7 @@ built them they run eagerly, so a model works the same with or without a C++ com
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -37,21 +38,35 @@ class Fused:
 
     It runs eagerly unless the calling thread is inside `compiled()` (and its kernel was built by
     `compiling()`); single-token calls stay eager (dynamic shapes treat a size of 1 apart).
+    On a method (`Fused.region`) it compiles a stretch of a module, GEMMs included, for the
+    instances it is asked to; one graph serves every such instance of the class, and the fused
+    functions it calls are traced into it.
     """
 
     registry: ClassVar[list[Fused]] = []
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], when: Callable[[Any], bool] | None = None) -> None:
         self.fn = fn
+        self.when = when
         self.__doc__ = fn.__doc__
         self._candidate: Callable[..., Any] | None = None
         self._fast: Callable[..., Any] | None = None
         self._tried = False
         Fused.registry.append(self)
 
+    @staticmethod
+    def region(when: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Fused]:
+        """A method compiled as one region for the instances where `when(instance)` holds."""
+        return lambda fn: Fused(fn, when)
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
+
     def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.fn(*args)
         mode = getattr(_local, "mode", None)
-        if mode is None or args[0].shape[0] < 2:
+        if mode is None or _tokens(args) < 2 or (self.when is not None and not self.when(args[0])):
             return self.fn(*args)
         if mode == "fast" and self._fast is not None:
             return self._fast(*args)
@@ -61,6 +76,10 @@ class Fused:
             self._tried = True
             return self._candidate(*args)
         return self.fn(*args)
+
+
+def _tokens(args: tuple[Any, ...]) -> int:
+    return next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
 
 
 def can_compile() -> bool:
