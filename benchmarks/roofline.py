@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
 from ember.engine.build import gemm_gflops, set_threads
 from ember.models.checkpoint import read_config, resolve_model
+from ember.ops.quant import Int8Linear, int8_mm
 from ember.resources import cpu_budget
 from ember.sizing import flops_per_token
 
@@ -15,10 +17,32 @@ from ember.sizing import flops_per_token
 def compute_limit(model: str, dtype: str, seq_len: int = 512) -> dict[str, float]:
     set_threads(cpu_budget().usable)
     config = read_config(resolve_model(model))
-    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    gflops = max(gemm_gflops(dt, 2048, repeats=5) for _ in range(3))
+    if dtype == "int8":  # --quantization int8: oneDNN's int8 matmul on packed weights
+        gflops = max(int8_gops(2048, repeats=5) for _ in range(3))
+    else:
+        gflops = max(
+            gemm_gflops(torch.bfloat16 if dtype == "bfloat16" else torch.float32, 2048, repeats=5) for _ in range(3)
+        )
     per_token = flops_per_token(config, seq_len, causal=config.get("model_type") == "qwen3")
     return {"gflops": gflops, "gflop_per_token": per_token / 1e9, "tokens_per_s": gflops * 1e9 / per_token}
+
+
+def int8_gops(size: int, repeats: int) -> float:
+    """The int8 GEMM rate ember's Int8Linear runs at (best of `repeats`), in G int-ops/s."""
+    layer = Int8Linear(torch.nn.Linear(size, size, bias=False), torch.bfloat16)
+    xq = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    mm = (
+        (lambda: int8_mm(xq, layer.qweight, layer.scale, torch.bfloat16))
+        if layer.onednn
+        else (lambda: torch._int_mm(xq, layer.qweight))
+    )
+    mm()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mm()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
 
 
 if __name__ == "__main__":
