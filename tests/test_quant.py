@@ -16,7 +16,7 @@ from ember.ops.quant import Int8Linear, onednn_int8
 from ember.testing import build_qwen3
 
 
-def _exact(layer: Int8Linear, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """What per-token int8 x per-channel int8 should give, in float64 from the definition."""
     w = linear.weight.double()
     ws = w.abs().amax(1).clamp(min=1e-8) / 127
@@ -36,7 +36,7 @@ def test_int8_linear_is_exact_integer_arithmetic(backend, monkeypatch):
     x = torch.randn(37, 96) * torch.linspace(0.01, 30, 37)[:, None]  # tokens of very different scales
     layer = Int8Linear(linear, torch.float32)
     assert layer.onednn == (backend == "onednn")
-    got, want = layer(x).double(), _exact(layer, linear, x)
+    got, want = layer(x).double(), _exact(linear, x)
     assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # float32 rounding only
 
 

@@ -28,7 +28,7 @@ from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, parameter_count
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
-from ember.ops.quant import quantize_int8
+from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
 from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
@@ -217,17 +217,13 @@ def plan_model_memory(
 
 
 def int8_parameter_count(config: dict[str, Any]) -> int:
-    """Weights that --quantization int8 stores at one byte: every linear layer of a Qwen3, the
-    feed-forward ones of an encoder (see each model's int8_layers)."""
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    inter = config.get("intermediate_size", 4 * hidden)
-    if config.get("model_type") != "qwen3":
-        return layers * 2 * hidden * inter
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim  # q, o; k, v
-    return layers * (attention + 3 * hidden * inter)
+    """Weights that --quantization int8 stores at one byte: the layers the model's int8_layers names,
+    counted on a weightless (meta) instance."""
+    _, cls = model_class(config)
+    with torch.device("meta"):
+        net = cls.from_config(config)  # type: ignore[attr-defined]
+    pattern: str = cls.int8_layers  # type: ignore[attr-defined]
+    return sum(int(m.weight.numel()) for m in int8_targets(net, pattern).values())
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:

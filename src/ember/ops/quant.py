@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["Int8Linear", "int8_mm", "onednn_int8", "quantize_int8"]
+__all__ = ["Int8Linear", "int8_mm", "int8_targets", "onednn_int8", "quantize_int8"]
 
 
 @torch.library.custom_op("ember::int8_mm", mutates_args=())
@@ -84,10 +84,15 @@ class Int8Linear(nn.Module):
         return y.to(self.out_dtype)
 
 
+def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
+    """The nn.Linear layers whose full name matches `pattern`: what quantize_int8 replaces."""
+    wanted = re.compile(pattern)
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and wanted.search(name)}
+
+
 def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str) -> int:
     """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many."""
-    wanted = re.compile(pattern)
-    targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and wanted.search(name)]
+    targets = int8_targets(model, pattern)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
