@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from ember import Embedder
 from ember.errors import CheckpointError, UnsupportedModelError
-from ember.models.checkpoint import resolve_model
-from ember.testing import build_bert
+from ember.models.checkpoint import release_mapped_pages, resolve_model
+from ember.testing import build_bert, build_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,42 @@ def test_hub_id_found_in_the_hf_cache(monkeypatch, tmp_path, bert_dir):
 def test_not_a_directory_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         resolve_model(str(tmp_path / "nope" / "deeper" / "x"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.mark.parametrize(
+    "breakage, needle",
+    [
+        (lambda s: s.pop("layers.1.self_attn.k_proj.weight"), "missing ['layers.1.self_attn.qkv_proj.weight']"),
+        (lambda s: s.update({"layers.0.mlp.up_proj.weight": torch.zeros(8, 64)}), "size mismatch"),
+    ],
+    ids=["missing-part", "part-shape"],
+)
+def test_merged_projections_report_the_checkpoint_fault(qwen3_dir, tmp_path, breakage, needle):
+    """Qwen3 runs q/k/v and gate/up as one matrix each, concatenated at load; a broken part is named."""
+    path = _copy(qwen3_dir, tmp_path)
+    _edit_weights(path, breakage)
+    with pytest.raises(CheckpointError) as e:
+        Embedder(str(path))
+    assert needle in str(e.value)
+
+
+def test_releasing_mapped_pages_is_lossless(qwen3_dir):
+    """The checkpoint's file pages can be dropped from RSS while float32 weights still live in them."""
+    e = Embedder(str(qwen3_dir), dtype="float32", enforce_eager=True)  # float32 on disk: weights used in place
+    before = e.embed(["a test sentence", "another"]).vectors
+    assert release_mapped_pages(qwen3_dir) > 0  # the forward read them back in
+    np.testing.assert_array_equal(e.embed(["a test sentence", "another"]).vectors, before)
+
+
+def test_a_mapping_written_to_is_never_released(qwen3_dir):
+    """Dropping a written (copied-on-write) page would revert it to the file: such mappings are kept."""
+    e = Embedder(str(qwen3_dir), dtype="float32", enforce_eager=True)
+    weight = e._loaded.runner.model.norm.weight  # float32 on disk: a view of the mapped file
+    weight.mul_(2.0)
+    assert release_mapped_pages(qwen3_dir) == 0
+    assert weight.eq(2.0 * load_file(qwen3_dir / "model.safetensors")["norm.weight"]).all()

@@ -24,7 +24,14 @@ from ember.engine.engine import AsyncEngine
 from ember.engine.inputs import check_dimensions
 from ember.errors import CheckpointError, ConfigError, InputError
 from ember.hardware import has_fast_bf16
-from ember.models.checkpoint import DEFAULT_MODEL, iter_weights, parameter_count, read_config, resolve_model
+from ember.models.checkpoint import (
+    DEFAULT_MODEL,
+    iter_weights,
+    parameter_count,
+    read_config,
+    release_mapped_pages,
+    resolve_model,
+)
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
@@ -152,8 +159,10 @@ def load(
         path, config, dt, limits or Limits(), memory or memory_budget(), max_model_len, st_max, quantization
     )
     net = _load_weights(cls, config, path, dt)
+    release_mapped_pages(path)  # the pages of tensors the model copied (cast, merged) are dead
     if quantization == "int8":
         quantize_int8(net, dt, cls.int8_layers)  # type: ignore[attr-defined]
+        release_mapped_pages(path)  # and those of the bf16 matrices int8 replaced
     dense = [Dense.load(d) for d in st.dense_dirs]
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
     dims = config.get("matryoshka_dimensions")
@@ -237,32 +246,32 @@ def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int
 
 
 def _load_weights(cls: type[nn.Module], config: dict[str, Any], path: Path, dtype: torch.dtype) -> Any:
-    """Build the model on the meta device, then assign each checkpoint tensor, cast once."""
+    """Build the model on the meta device, then assign each checkpoint tensor, cast once.
+    (The model's load hooks may merge checkpoint tensors, e.g. q/k/v into one matrix.)"""
     with torch.device("meta"):
         net = cls.from_config(config)  # type: ignore[attr-defined]
     expected = {k: v.shape for k, v in net.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
     for name, tensor in iter_weights(path):
         key = cls.checkpoint_key(name)  # type: ignore[attr-defined]
         if key is None:
             continue
-        if key not in expected:
-            unexpected.append(name)
-            continue
-        if tensor.shape != expected[key]:
+        if key in expected and tensor.shape != expected[key]:
             raise CheckpointError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[key])}"
             )
         state[key] = tensor.to(dtype)
-    missing = sorted(set(expected) - set(state))
+    try:
+        result = net.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shapes that disagree after the model's hooks merged tensors
+        raise CheckpointError(f"weights in {path} do not match {cls.__name__}: {e}") from None
+    missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
     if missing or unexpected:
         raise CheckpointError(
             f"weights in {path} do not match {cls.__name__}: "
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    net.load_state_dict(state, strict=True, assign=True)
     return net.eval().requires_grad_(False)
 
 

@@ -1,14 +1,17 @@
 """Finding and reading checkpoints: local directories or hub ids, safetensors or .bin.
 
 Weights are read tensor by tensor (memory-mapped) and cast once to the target dtype, so
-peak memory is the model in its final dtype plus one tensor.
+peak memory is the model in its final dtype plus one tensor. Once the model holds its own copies
+(cast, concatenated or quantised), `release_mapped_pages` drops the file pages the load touched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ from safetensors import safe_open
 
 from ember.errors import CheckpointError
 
-__all__ = ["DEFAULT_MODEL", "iter_weights", "parameter_count", "read_config", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "iter_weights", "parameter_count", "read_config", "release_mapped_pages", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +151,45 @@ def parameter_count(path: Path) -> int:
                 shape = f.get_slice(name).get_shape()
                 total += int(torch.tensor(shape).prod().item()) if shape else 1
     return total
+
+
+def release_mapped_pages(path: Path) -> int:
+    """Drop this process's resident pages of the checkpoint's memory-mapped weight files; returns bytes.
+
+    A page of a mapped file, once read, stays in the process's RSS while the mapping lives, which is
+    as long as any tensor of that file does: so the pages of tensors the model copied (cast to another
+    dtype, concatenated, quantised to int8) were still counted, e.g. 0.9 GB with int8 on the 0.6B model.
+    Dropping them is lossless: a clean page of a file mapping is read back from the page cache on its
+    next touch, so weights still used in place simply fault back in. A mapping holding any page this
+    process wrote (a private copy, "Anonymous" in smaps) is left alone. Linux only (/proc/self/smaps);
+    elsewhere a no-op.
+    """
+    files = {str(f.resolve()) for f in weight_files(path)}
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for start, end, rss, written in _file_mappings(smaps, files):
+        if rss and not written and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+            released += rss
+    return released
+
+
+def _file_mappings(smaps: str, files: set[str]) -> Iterator[tuple[int, int, int, int]]:
+    """(start, end, resident bytes, bytes copied on write) of each mapping of one of `files`."""
+    current: list[int] | None = None
+    for line in smaps.splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode path"
+            if current is not None:
+                yield current[0], current[1], current[2], current[3]
+            fields = rest.split(maxsplit=4)
+            lo, hi = head.split("-")
+            current = [int(lo, 16), int(hi, 16), 0, 0] if len(fields) == 5 and fields[4] in files else None
+        elif current is not None and head in ("Rss:", "Anonymous:"):
+            current[2 if head == "Rss:" else 3] = int(rest.split()[0]) * 1024
+    if current is not None:
+        yield current[0], current[1], current[2], current[3]

@@ -1,11 +1,13 @@
 """Qwen3 (Qwen3-Embedding-0.6B/4B/8B): GQA, q/k RMSNorm, RoPE, SwiGLU, causal attention.
 
 Runs packed: x is (T, hidden) for all sequences of a batch laid end to end.
-Parameter names are the checkpoint's, so a strict load_state_dict just works.
+Parameter names are the checkpoint's, except that q/k/v and gate/up are each one matrix (one GEMM,
+one activation quantisation with int8); load hooks concatenate the checkpoint's separate matrices.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,20 +67,16 @@ class Attention(nn.Module):
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(a.hidden_size, (self.n_heads + 2 * self.n_kv) * a.head_dim, bias=False)
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self._register_load_state_dict_pre_hook(_concat_hook("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Per token: q, k, v projections, q/k norms and rotary; packed as (T, Hq + 2 Hkv, D)."""
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)  # (T, Hkv, D)
-        return qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        qkv = self.qkv_proj(x).view(x.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
+        return qk_norm_rope(qkv, self.n_kv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
 
     def attend(self, qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         """Causal attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
@@ -89,12 +87,24 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self._register_load_state_dict_pre_hook(_concat_hook("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+def _concat_hook(merged: str, parts: tuple[str, ...]) -> Callable[..., None]:
+    """A load_state_dict pre-hook replacing the checkpoint's `parts` weights by one `merged` weight,
+    stacked along the output axis (in the order the forward splits it)."""
+
+    def hook(state: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+        names = [f"{prefix}{part}.weight" for part in parts]
+        if all(name in state for name in names):
+            state[f"{prefix}{merged}.weight"] = torch.cat([state.pop(name) for name in names])
+
+    return hook
 
 
 def _holds_int8(block: Block) -> bool:

@@ -129,17 +129,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @Fused
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    qkv: torch.Tensor,
+    n_kv: int,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """Qwen3's per-head q/k RMSNorm then rotary, packed with v: (T, Hq + 2 Hkv, D).
-    q (T, Hq, D), k and v (T, Hkv, D), cos and signed sin (T, 1, D). Rounds where the reference does."""
+    """Qwen3's per-head q/k RMSNorm then rotary on a packed (T, Hq + 2 Hkv, D) projection (Hkv = n_kv),
+    v passed through: (T, Hq + 2 Hkv, D). cos and signed sin (T, 1, D). Rounds where the reference does."""
+    q, k, v = qkv.split((qkv.shape[1] - 2 * n_kv, n_kv, n_kv), dim=1)
     qn = _rms(q, q_weight, eps).to(q.dtype).float()
     kn = _rms(k, k_weight, eps).to(k.dtype).float()
     cf, sf = cos.float(), sin.float()
@@ -147,6 +147,7 @@ def qk_norm_rope(
 
 
 @Fused
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, on gate and up side by side in the last axis: (T, 2 I) -> (T, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -92,9 +92,9 @@ def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
 
 def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str) -> int:
     """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many."""
-    targets = int8_targets(model, pattern)
-    for name in targets:
+    names = list(int8_targets(model, pattern))  # names only: each float matrix is freed once replaced
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, Int8Linear(getattr(parent, child), dtype))
-    return len(targets)
+    return len(names)
