@@ -6,7 +6,7 @@ On a shared 2-vCPU VM the host's speed moves 2-3x between minutes, more than the
 servers measured one after the other. Alternating the order each round and taking medians of the
 per-round ratios cancels that drift. Only one server works at a time; the idle one waits.
 
-    python benchmarks/interleaved.py --peer-url http://127.0.0.1:8100 --peer-model NAME --peer-cmd "CMD"
+    python benchmarks/interleaved.py --peer-url http://127.0.0.1:8100 --peer-model NAME --peer-cmd "CMD" [--dtype int8]
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def main() -> None:
     ap.add_argument("--peer-cmd", required=True)
     ap.add_argument("--workloads", default="bulk:3,queries:3,mixed:2", help="key:rounds, comma-separated")
     ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
+    ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
     args = ap.parse_args()
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
-    extra = ["--dtype", "bfloat16", "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
+    extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
     ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
     peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
     servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}
@@ -99,11 +100,16 @@ def main() -> None:
             f"{statistics.median(row['peer_tokens_per_s']):10.0f} {statistics.median(ratios):25.2f}  "
             f"p50 {statistics.median(row['ember_p50_ms']):.0f} vs {statistics.median(row['peer_p50_ms']):.0f} ms"
         )
-    out = ROOT / "benchmarks/results/interleaved.json"
+    out = ROOT / f"benchmarks/results/interleaved-{args.dtype}.json"
     out.write_text(
         json.dumps(
             {
-                "ember": {"ready_s": ours_ready, "kernels_s": ours_kernels, "peak_rss_bytes": ours_rss.bytes},
+                "ember": {
+                    "dtype": args.dtype,
+                    "ready_s": ours_ready,
+                    "kernels_s": ours_kernels,
+                    "peak_rss_bytes": ours_rss.bytes,
+                },
                 "peer": {"cmd": args.peer_cmd, "ready_s": peer_ready, "peak_rss_bytes": peer_rss.bytes},
                 "rows": rows,
             },
