@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from ember.engine.build import gemm_gflops, set_threads
+from ember.engine.build import best_seconds, gemm_gflops, set_threads
 from ember.models.checkpoint import read_config, resolve_model
 from ember.ops.quant import Int8Linear, int8_mm
 from ember.resources import cpu_budget
@@ -36,13 +35,7 @@ def int8_gops(size: int, repeats: int) -> float:
         if layer.onednn
         else (lambda: torch._int_mm(xq, layer.qweight))
     )
-    mm()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mm()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return 2 * size**3 / best_seconds(mm, repeats) / 1e9
 
 
 if __name__ == "__main__":

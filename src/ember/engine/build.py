@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = [
     "Limits",
     "Loaded",
     "auto_dtype",
+    "best_seconds",
     "build_engine",
     "gemm_gflops",
     "load",
@@ -98,13 +100,18 @@ def gemm_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float
     """Measured matrix-multiply throughput for `dtype` on the current threads (best of `repeats`)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    a @ b  # first call pays for kernel selection
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats) / 1e9
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run`, after one untimed call (kernel selection)."""
+    run()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
+        run()
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return best
 
 
 @functools.lru_cache(maxsize=1)

@@ -172,24 +172,26 @@ def release_mapped_pages(path: Path) -> int:
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
-    for start, end, rss, written in _file_mappings(smaps, files):
-        if rss and not written and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
-            released += rss
+    for m in _file_mappings(smaps, files):
+        # "Anonymous": pages this process wrote (private copies); dropping those would lose the writes
+        if m["Rss:"] and not m["Anonymous:"] and madvise(m["start"], m["end"] - m["start"], mmap.MADV_DONTNEED) == 0:
+            released += m["Rss:"]
     return released
 
 
-def _file_mappings(smaps: str, files: set[str]) -> Iterator[tuple[int, int, int, int]]:
-    """(start, end, resident bytes, bytes copied on write) of each mapping of one of `files`."""
-    current: list[int] | None = None
+def _file_mappings(smaps: str, files: set[str]) -> list[dict[str, int]]:
+    """Each mapping of one of `files`: its start and end addresses and its smaps fields in bytes ("Rss:", ...)."""
+    found: list[dict[str, int]] = []
+    current: dict[str, int] | None = None
     for line in smaps.splitlines():
         head, _, rest = line.partition(" ")
-        if "-" in head and not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode path"
-            if current is not None:
-                yield current[0], current[1], current[2], current[3]
+        if not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode [path]"
             fields = rest.split(maxsplit=4)
-            lo, hi = head.split("-")
-            current = [int(lo, 16), int(hi, 16), 0, 0] if len(fields) == 5 and fields[4] in files else None
-        elif current is not None and head in ("Rss:", "Anonymous:"):
-            current[2 if head == "Rss:" else 3] = int(rest.split()[0]) * 1024
-    if current is not None:
-        yield current[0], current[1], current[2], current[3]
+            current = None
+            if len(fields) == 5 and fields[4] in files:
+                lo, hi = head.split("-")
+                current = {"start": int(lo, 16), "end": int(hi, 16), "Rss:": 0, "Anonymous:": 0}
+                found.append(current)
+        elif current is not None and rest.endswith(" kB"):
+            current[head] = int(rest.split()[0]) * 1024
+    return found
