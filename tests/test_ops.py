@@ -21,7 +21,10 @@ def _reference(q, k, v, seqlens, causal):
 
 def test_packed_attention_equals_per_sequence_reference():
     torch.manual_seed(0)
-    for seqlens in ([7], [3, 9, 9, 1, 40, 38, 2], [16, 16, 16]):
+    # Lengths from 64 up that are not multiples of 16 are attended padded (causal): with the next
+    # sequence's tokens (131 before 5), or with zeros when too few follow (129 at the end).
+    cases = ([7], [131], [3, 9, 9, 1, 40, 38, 2], [16, 16, 16], [131, 5, 200, 129], [70, 70, 70], [65, 3, 77])
+    for seqlens in cases:
         T = sum(seqlens)
         q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
         for causal in (True, False):
