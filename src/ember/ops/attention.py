@@ -4,10 +4,11 @@ Sequences are laid end to end (T = sum of lengths). Attention runs per group of
 similar-length sequences, padded only within the group, so no full T x T score matrix
 is ever built and short sequences do not pay for long ones.
 
-Causal sequences are attended over a length rounded up to a multiple of 16: torch's CPU flash
-attention is 1.2-2.5x slower on other lengths (501 tokens: 7.2 ms, padded to 512: 2.9 ms). Under a
-causal mask the padding keys are seen only by padding queries, whose rows are dropped, so the
-result is unchanged; the padding is the next sequence's tokens where there are enough of them.
+Lengths are rounded up to a multiple of 16 where that is cheap: torch's CPU flash attention is
+1.1-2.5x slower on other lengths (causal, 501 tokens: 7.2 ms, padded to 512: 2.9 ms). Under a causal
+mask the padding keys are seen only by padding queries, whose rows are dropped, so the result is
+unchanged; the padding is the next sequence's tokens where there are enough of them. Bidirectional
+attention would need a key mask for it, so only groups padded (and masked) anyway are rounded up.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _MAX_PADDING = 0.25
 # Causal sequences this long get an SDPA call of their own (measured 20% faster than padded with a
 # mask at 4 x 512); shorter ones are batched, where one call per sequence would cost more than it saves.
 _OWN_CALL = 128
-# Causal lengths from _ALIGN_FROM tokens are padded to a multiple of _ALIGN (shorter ones measured no faster).
+# Lengths from _ALIGN_FROM tokens are padded to a multiple of _ALIGN (shorter ones measured no faster).
 _ALIGN, _ALIGN_FROM = 16, 64
 
 
@@ -90,7 +91,7 @@ def _aligned(n: int) -> int:
 def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, s: int, n: int, causal: bool) -> None:
     """Attention of the one sequence at tokens [s, s + n), written into out[s : s + n]."""
     m = _aligned(n) if causal else n
-    if s + m <= q.shape[0]:  # padded (causal) with the tokens after it: views, no copy
+    if s + m <= q.shape[0]:  # padded with the tokens after it: views, no copy
         qs, ks, vs = (t[s : s + m].transpose(0, 1)[None] for t in (q, k, v))
     else:
         qs, ks, vs = (F.pad(t[s : s + n], (0, 0, 0, 0, 0, m - n)).transpose(0, 1)[None] for t in (q, k, v))
@@ -112,7 +113,7 @@ def _padded_group(
     causal: bool,
 ) -> None:
     """Pads one group to (B, H, L, D), attends with a key mask, scatters back into `out`."""
-    width = _aligned(max(lens)) if causal else max(lens)
+    width = _aligned(max(lens))
     # Token index of every (sequence, position); padding points at token 0 and is masked.
     pos = torch.arange(width)
     valid = pos[None, :] < torch.tensor(lens)[:, None]  # (B, L)
