@@ -72,8 +72,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # (T, K)
-        xs = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # (T, 1) per-token scale
-        xq = (xf / xs).round().clamp(-127, 127).to(torch.int8)
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)  # (T, 1)
+        xs = amax / 127.0  # per-token scale
+        # times the reciprocal, not divided by xs: a vector division per element made the fused
+        # quantising kernels compute-bound
+        xq = (xf * (127.0 / amax)).round().clamp(-127, 127).to(torch.int8)
         if self.onednn:
             y = int8_mm(xq, self.qweight, self.scale, self.out_dtype).float()
         else:
