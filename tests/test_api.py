@@ -168,6 +168,12 @@ def test_request_id_echo_openapi_and_metrics(client):
         "ember_inference_duration_seconds",
     ):
         assert name in text
+    counts = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("ember_batch_duration_seconds_count", "ember_batch_tokens_count"))
+    }
+    assert counts["ember_batch_duration_seconds_count"] == counts["ember_batch_tokens_count"] >= 1
 
 
 def test_unknown_fields_are_ignored_and_prompt_name_applies(client, runner, tokenizer):

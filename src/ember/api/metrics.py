@@ -40,6 +40,9 @@ class Metrics:
         )
         self.batch_size = Histogram("ember_batch_sequences", "Sequences per batch", buckets=_SIZES, registry=r)
         self.batch_tokens = Histogram("ember_batch_tokens", "Tokens per batch", buckets=_TOKENS, registry=r)
+        self.batch_time = Histogram(
+            "ember_batch_duration_seconds", "Model time per batch (forward and pooling)", buckets=_LATENCY, registry=r
+        )
         self.tokens = Counter("ember_prompt_tokens", "Tokens embedded", registry=r)
         self.queued_requests = Gauge("ember_queue_requests", "Requests queued or running", registry=r)
         self.queued_tokens = Gauge("ember_queue_tokens", "Tokens queued or running", registry=r)
@@ -54,6 +57,7 @@ class Metrics:
     def observe_batch(self, seqs: int, tokens: int, seconds: float) -> None:
         self.batch_size.observe(seqs)
         self.batch_tokens.observe(tokens)
+        self.batch_time.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
