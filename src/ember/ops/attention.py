@@ -13,6 +13,9 @@ attention would need a key mask for it, so only groups padded (and masked) anywa
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -60,28 +63,70 @@ def varlen_attention(
     if len(seqlens) == 1 and (not causal or _aligned(seqlens[0]) == seqlens[0]):
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)
+    out = torch.empty_like(q)
+    for step in _plan(tuple(seqlens), causal):  # the same for every layer of a forward: built once
+        if isinstance(step, _Group):
+            step.attend(q, k, v, out, causal)
+            continue
+        s, n, b = step
+        if b == 1:
+            _alone(q, k, v, out, s, n, causal)
+        else:  # consecutive, equal lengths: a view, no gather or scatter
+            qv, kv, vv = (t[s : s + n * b].unflatten(0, (b, n)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+            out[s : s + n * b] = _sdpa(qv, kv, vv, causal, None).transpose(1, 2).flatten(0, 1)
+    return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Sequences padded into one (B, H, L, D) batch: where each padded slot reads from and writes to."""
+
+    shape: tuple[int, int]  # (B, L)
+    gather: torch.Tensor  # (B * L,) token index of each slot (padding reads token 0)
+    real: torch.Tensor  # (N,) the slots holding real tokens
+    dest: torch.Tensor  # (N,) their token indices
+    mask: torch.Tensor | None  # (B, 1, 1, L) key mask, for bidirectional attention over padding
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool) -> None:
+        """Pads, attends, scatters back into `out`. Padding is on the right: under a causal mask no real
+        query sees it; padded queries compute garbage that is never read back."""
+        b, width = self.shape
+        qp, kp, vp = (t.index_select(0, self.gather).unflatten(0, (b, width)).transpose(1, 2) for t in (q, k, v))
+        res = _sdpa(qp, kp, vp, causal, self.mask).transpose(1, 2).flatten(0, 1)  # (B * L, Hq, D)
+        out.index_copy_(0, self.dest, res.index_select(0, self.real))
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(seqlens: tuple[int, ...], causal: bool) -> list[_Group | tuple[int, int, int]]:
+    """The attention calls for a batch: (start, length, count) for a sequence attended alone (count 1)
+    or a run of equal consecutive ones, and padded _Groups."""
     starts = [0]
     for n in seqlens[:-1]:
         starts.append(starts[-1] + n)
-    out = torch.empty_like(q)
+    steps: list[_Group | tuple[int, int, int]] = []
     if causal:  # long sequences attend through views, one call each: no gather, no mask
-        for i in [i for i, n in enumerate(seqlens) if n >= _OWN_CALL]:
-            _alone(q, k, v, out, starts[i], seqlens[i], causal)
+        steps += [(starts[i], n, 1) for i, n in enumerate(seqlens) if n >= _OWN_CALL]
         short = [i for i, n in enumerate(seqlens) if n < _OWN_CALL]
         groups = [[short[j] for j in g] for g in group_by_length([seqlens[i] for i in short])]
     else:
-        groups = group_by_length(seqlens)
+        groups = group_by_length(list(seqlens))
     for group in groups:
         s, n, b = starts[group[0]], seqlens[group[0]], len(group)
-        if b == 1:
-            _alone(q, k, v, out, s, n, causal)
-        elif _is_run(group, seqlens) and (not causal or _aligned(n) == n):
-            # consecutive, equal lengths: a view, no gather or scatter
-            qv, kv, vv = (t[s : s + n * b].unflatten(0, (b, n)).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
-            out[s : s + n * b] = _sdpa(qv, kv, vv, causal, None).transpose(1, 2).flatten(0, 1)
+        if b == 1 or (_is_run(group, seqlens) and (not causal or _aligned(n) == n)):
+            steps.append((s, n, b))
         else:
-            _padded_group(q, k, v, out, [starts[i] for i in group], [seqlens[i] for i in group], causal)
-    return out
+            steps.append(_group([starts[i] for i in group], [seqlens[i] for i in group], causal))
+    return steps
+
+
+def _group(starts: list[int], lens: list[int], causal: bool) -> _Group:
+    width = _aligned(max(lens))
+    pos = torch.arange(width)
+    valid = pos[None, :] < torch.tensor(lens)[:, None]  # (B, L)
+    index = torch.where(valid, torch.tensor(starts)[:, None] + pos[None, :], 0)  # (B, L)
+    real = valid.flatten().nonzero().squeeze(1)
+    mask = None if causal or all(n == width for n in lens) else valid[:, None, None, :]
+    return _Group((len(lens), width), index.flatten(), real, index.flatten()[real], mask)
 
 
 def _aligned(n: int) -> int:
@@ -98,29 +143,6 @@ def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     out[s : s + n] = _sdpa(qs, ks, vs, causal, None)[0, :, :n].transpose(0, 1)
 
 
-def _is_run(group: list[int], seqlens: list[int]) -> bool:
+def _is_run(group: list[int], seqlens: tuple[int, ...]) -> bool:
     first = group[0]
     return len(group) > 1 and all(i == first + j and seqlens[i] == seqlens[first] for j, i in enumerate(group))
-
-
-def _padded_group(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    causal: bool,
-) -> None:
-    """Pads one group to (B, H, L, D), attends with a key mask, scatters back into `out`."""
-    width = _aligned(max(lens))
-    # Token index of every (sequence, position); padding points at token 0 and is masked.
-    pos = torch.arange(width)
-    valid = pos[None, :] < torch.tensor(lens)[:, None]  # (B, L)
-    index = torch.where(valid, torch.tensor(starts)[:, None] + pos[None, :], 0)  # (B, L)
-    qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
-    # Padding is on the right: under a causal mask no real query sees it, so only bidirectional
-    # attention needs a key mask (padded queries compute garbage that is never read back).
-    mask = None if causal or all(n == width for n in lens) else valid[:, None, None, :]  # (B, 1, 1, L)
-    res = _sdpa(qp, kp, vp, causal, mask).transpose(1, 2)  # (B, L, Hq, D)
-    out[index[valid]] = res[valid]

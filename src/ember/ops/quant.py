@@ -27,10 +27,15 @@ def int8_mm(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_d
     """(T, K) int8 @ oneDNN-packed (K, N) int8 weights, times the weights' scales (N,): (T, N) in out_dtype.
 
     A custom op so torch.compile treats the packed (opaque) weights as an input, not a constant."""
-    zero = torch.zeros(w_scale.shape, dtype=torch.long)
     return torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, 0, packed, w_scale, zero, None, 1.0, 0, out_dtype, "none", [], ""
+        xq, 1.0, 0, packed, w_scale, _zero_points(w_scale.shape[0]), None, 1.0, 0, out_dtype, "none", [], ""
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_points(n: int) -> torch.Tensor:
+    """The weights' zero points (symmetric: all 0), made once per width rather than per call."""
+    return torch.zeros(n, dtype=torch.long)
 
 
 @int8_mm.register_fake
