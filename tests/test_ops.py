@@ -21,8 +21,9 @@ def _reference(q, k, v, seqlens, causal):
 
 def test_packed_attention_equals_per_sequence_reference():
     torch.manual_seed(0)
-    # Lengths from 64 up that are not multiples of 16 are attended padded: with the next sequence's
-    # tokens (131 before 5), or with zeros when too few follow (129 at the end); bidirectional groups padded anyway round up too, with the key mask.
+    # Causal lengths from 64 up that are not multiples of 16 are attended padded with the next sequence's
+    # tokens (131 before 5 and 200; not 129 at the end, too few follow); bidirectional groups that are
+    # padded anyway round their width up too, with the key mask ([65, 3, 77]).
     cases = ([7], [131], [3, 9, 9, 1, 40, 38, 2], [16, 16, 16], [131, 5, 200, 129], [70, 70, 70], [65, 3, 77])
     for seqlens in cases:
         T = sum(seqlens)

@@ -7,7 +7,8 @@ is ever built and short sequences do not pay for long ones.
 Lengths are rounded up to a multiple of 16 where that is cheap: torch's CPU flash attention is
 1.1-2.5x slower on other lengths (causal, 501 tokens: 7.2 ms, padded to 512: 2.9 ms). Under a causal
 mask the padding keys are seen only by padding queries, whose rows are dropped, so the result is
-unchanged; the padding is the next sequence's tokens where there are enough of them. Bidirectional
+unchanged; the padding is the next sequence's tokens, where there are enough of them (a zero-padded
+copy measured slower than no padding, so the last sequence of a batch is not padded). Bidirectional
 attention would need a key mask for it, so only groups padded (and masked) anyway are rounded up.
 """
 
@@ -60,7 +61,7 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
 ) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
-    if len(seqlens) == 1 and (not causal or _aligned(seqlens[0]) == seqlens[0]):
+    if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)
     out = torch.empty_like(q)
@@ -134,12 +135,10 @@ def _aligned(n: int) -> int:
 
 
 def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, s: int, n: int, causal: bool) -> None:
-    """Attention of the one sequence at tokens [s, s + n), written into out[s : s + n]."""
-    m = _aligned(n) if causal else n
-    if s + m <= q.shape[0]:  # padded with the tokens after it: views, no copy
-        qs, ks, vs = (t[s : s + m].transpose(0, 1)[None] for t in (q, k, v))
-    else:
-        qs, ks, vs = (F.pad(t[s : s + n], (0, 0, 0, 0, 0, m - n)).transpose(0, 1)[None] for t in (q, k, v))
+    """Attention of the one sequence at tokens [s, s + n), written into out[s : s + n]. Causal, it is
+    padded with the tokens after it where there are enough (views: a padded copy measured slower)."""
+    m = _aligned(n) if causal and s + _aligned(n) <= q.shape[0] else n
+    qs, ks, vs = (t[s : s + m].transpose(0, 1)[None] for t in (q, k, v))
     out[s : s + n] = _sdpa(qs, ks, vs, causal, None)[0, :, :n].transpose(0, 1)
 
 
