@@ -138,7 +138,9 @@ def _aligned(n: int) -> int:
 def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, s: int, n: int, causal: bool) -> None:
     """Attention of the one sequence at tokens [s, s + n), written into out[s : s + n]. Causal, it is
     padded with the tokens after it where there are enough (views: a padded copy measured slower)."""
-    m = _aligned(n) if causal and s + _aligned(n) <= q.shape[0] else n
+    m = _aligned(n) if causal else n
+    if s + m > q.shape[0]:
+        m = n
     qs, ks, vs = (t[s : s + m].transpose(0, 1)[None] for t in (q, k, v))
     out[s : s + n] = _sdpa(qs, ks, vs, causal, None)[0, :, :n].transpose(0, 1)
 

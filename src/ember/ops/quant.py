@@ -32,15 +32,15 @@ def int8_mm(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_d
     )
 
 
+@int8_mm.register_fake
+def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
+
+
 @functools.lru_cache(maxsize=16)
 def _zero_points(n: int) -> torch.Tensor:
     """The weights' zero points (symmetric: all 0), made once per width rather than per call."""
     return torch.zeros(n, dtype=torch.long)
-
-
-@int8_mm.register_fake
-def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
 
 @functools.cache
