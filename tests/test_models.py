@@ -82,6 +82,17 @@ def test_qwen3_fused_and_eager_kernels_match_the_reference(qwen3_dir, dtype, bar
     assert cos(ours, st_reference(qwen3_dir, TEXTS)).min() >= bar
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_fused_kernels_take_any_token_count_without_recompiling(qwen3_dir, quantization):
+    """Compiled once at start-up for any token count: a new batch shape must never compile again
+    (a recompile costs seconds in the serving path)."""
+    embedder = Embedder(str(qwen3_dir), dtype="bfloat16", quantization=quantization)
+    assert embedder._loaded.runner.compiled
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (2, 9, 70, 301):
+            embedder.embed([" ".join(["word"] * n), "short one"])
+
+
 def test_qwen3_causal_lm_checkpoint_with_model_prefix(tmp_path, qwen3):
     path = build_qwen3(tmp_path, with_model_prefix=True)
     ours, _ = Embedder(str(path), dtype="float32").embed(TEXTS[:3])

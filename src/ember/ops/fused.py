@@ -72,7 +72,8 @@ class Fused:
             return self._fast(*args)
         if mode == "compiling":
             if self._candidate is None:
-                self._candidate = torch.compile(self.fn, dynamic=True, fullgraph=True)
+                self._candidate = torch.compile(self.fn, fullgraph=True)
+            _mark_tokens_dynamic(args)
             self._tried = True
             return self._candidate(*args)
         return self.fn(*args)
@@ -80,6 +81,16 @@ class Fused:
 
 def _tokens(args: tuple[Any, ...]) -> int:
     return next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+
+
+def _mark_tokens_dynamic(args: tuple[Any, ...]) -> None:
+    """Compile for any token count, and for nothing else: only the first axis of the activations
+    (tensors of 2+ dims) is symbolic. Weights, head counts and widths stay constants; with every size
+    symbolic (`dynamic=True`) inductor split the q/k norm + rotary into several loops over float32
+    temporaries, with masked tails, at 2x the time."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+            torch._dynamo.mark_dynamic(a, 0)
 
 
 def can_compile() -> bool:
