@@ -128,16 +128,14 @@ class Block(nn.Module):
         x = by_token_slices(self._out_residual, x, y)
         return by_token_slices(self._mlp_residual, x)
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.self_attn.norm_rope(self._qkv(x), cos, sin)
-
     # With int8 weights each per-token stretch around a GEMM is compiled as one region, so the
-    # activations' quantisation and rescaling fuse into the norms and SwiGLU around the int8 GEMMs.
-    # (Not the q/k norm + rotary: fused with the rescale it took 3.9 ms per 2,048 tokens, 3.2 as two kernels.
-    # In bf16 an A/B against the per-function fused kernels was inconclusive, so bf16 keeps those.)
+    # activations' quantisation and rescaling fuse into the norms, the q/k norm + rotary and SwiGLU
+    # around the int8 GEMMs. (In bf16 an A/B against the per-function fused kernels was
+    # inconclusive, so bf16 keeps those.)
     @Fused.region(when=_holds_int8)
-    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.self_attn.qkv_proj(self.input_layernorm(x))
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
+        return self.self_attn.norm_rope(qkv, cos, sin)
 
     @Fused.region(when=_holds_int8)
     def _out_residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -150,11 +150,11 @@ def qk_norm_rope(
 ) -> torch.Tensor:
     """Qwen3's per-head q/k RMSNorm then rotary on a packed (T, Hq + 2 Hkv, D) projection (Hkv = n_kv),
     v passed through: (T, Hq + 2 Hkv, D). cos and signed sin (T, 1, D). Rounds where the reference does."""
-    q, k, v = qkv.split((qkv.shape[1] - 2 * n_kv, n_kv, n_kv), dim=1)
-    qn = _rms(q, q_weight, eps).to(q.dtype).float()
-    kn = _rms(k, k_weight, eps).to(k.dtype).float()
-    cf, sf = cos.float(), sin.float()
-    return torch.cat((apply_rope(qn, cf, sf).to(q.dtype), apply_rope(kn, cf, sf).to(k.dtype), v), dim=1)
+    n_q = qkv.shape[1] - 2 * n_kv
+    qk, v = qkv.split((n_q + n_kv, n_kv), dim=1)  # q and k heads normed together, each with its weight
+    weight = torch.cat((q_weight.expand(n_q, -1), k_weight.expand(n_kv, -1)))  # (Hq + Hkv, D)
+    normed = _rms(qk, weight, eps).to(qk.dtype).float()
+    return torch.cat((apply_rope(normed, cos.float(), sin.float()).to(qk.dtype), v), dim=1)
 
 
 @Fused

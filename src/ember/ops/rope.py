@@ -21,7 +21,10 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, H, head_dim): x*cos + swap_halves(x)*signed_sin, the rotate-half form in one pass."""
+    """Rotate x (T, H, head_dim): x*cos + rotate_half(x)*sin, one half at a time (with the signed sin,
+    rotate-half is a swap of halves). Written by halves, a compiled kernel reads x twice in place
+    instead of building the swapped copy."""
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin)
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s1, s2 = cos[..., :half], sin[..., :half], sin[..., half:]
+    return torch.cat((x1 * c + x2 * s1, x2 * c + x1 * s2), dim=-1)
