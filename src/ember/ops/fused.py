@@ -87,7 +87,7 @@ def _mark_tokens_dynamic(args: tuple[Any, ...]) -> None:
     """Compile for any token count, and for nothing else: only the first axis of the activations
     (tensors of 2+ dims) is symbolic. Weights, head counts and widths stay constants; with every size
     symbolic (`dynamic=True`) inductor split the q/k norm + rotary into several loops over float32
-    temporaries, with masked tails, at 2x the time."""
+    temporaries, with masked tails: 3.33 against 2.74 ms per 2,048 tokens."""
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() >= 2:
             torch._dynamo.mark_dynamic(a, 0)
