@@ -20,7 +20,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from ember.cli.runtime import maybe_reexec_with_allocator
+
+maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,6 +1,7 @@
 """Command-line parsing: vLLM's flag semantics, sizes, and refusals that name the problem."""
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -70,3 +71,21 @@ def test_unknown_and_abbreviated_flags_are_errors_not_models():
     assert out.returncode == 2 and "unrecognized arguments" in out.stderr
     with pytest.raises(SystemExit):
         serve_args("--tokenizer", "x")  # not taken as --tokenizer-mode
+
+
+def test_a_script_restarts_itself_under_tcmalloc(tmp_path):
+    """Benchmarks re-exec themselves on the server's allocator; the restarted script keeps its arguments."""
+    from ember.cli.runtime import _find_allocator
+
+    if _find_allocator() is None:
+        pytest.skip("tcmalloc is not installed here")
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys\n"
+        "from ember.cli.runtime import maybe_reexec_with_allocator\n"
+        "maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])\n"
+        "print(os.environ.get('LD_PRELOAD', ''), sys.argv[1:])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_ALLOCATOR_SET")}
+    out = subprocess.run([sys.executable, str(script), "--x", "1"], capture_output=True, text=True, env=env, check=True)
+    assert "tcmalloc" in out.stdout and "['--x', '1']" in out.stdout

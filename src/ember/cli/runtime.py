@@ -49,9 +49,11 @@ def _find_allocator() -> str | None:
     return next((p for p in _ALLOCATORS if Path(p).is_file()), None)
 
 
-def maybe_reexec_with_allocator(argv: list[str]) -> None:
+def maybe_reexec_with_allocator(argv: list[str], program: list[str] | None = None) -> None:
     """Restart under tcmalloc when it is installed: glibc malloc returns large tensors to the OS
-    after every op and pays page faults on the next, which costs 10-40% on CPU inference."""
+    after every op and pays page faults on the next, which costs 10-40% on CPU inference.
+    The new process runs `program` (default: ember's CLI) with `argv`; benchmark scripts pass
+    themselves, so what they time in-process runs on the allocator the server uses."""
     if os.environ.get(_REEXEC_MARK) or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return
     lib = _find_allocator()
@@ -60,7 +62,8 @@ def maybe_reexec_with_allocator(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
     env[_REEXEC_MARK] = lib
-    os.execve(sys.executable, [sys.executable, "-m", "ember.cli.main", *argv], env)
+    command = [*(program or [sys.executable, "-m", "ember.cli.main"]), *argv]
+    os.execve(command[0], command, env)
 
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
