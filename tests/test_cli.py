@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ember.cli.flags import add_serve_flags, check_runner, parse_size
-from ember.cli.runtime import parse_bytes
+from ember.cli.runtime import _find_allocator, parse_bytes
 from ember.errors import ConfigError
 
 
@@ -75,8 +75,6 @@ def test_unknown_and_abbreviated_flags_are_errors_not_models():
 
 def test_a_script_restarts_itself_under_tcmalloc(tmp_path):
     """Benchmarks re-exec themselves on the server's allocator; the restarted script keeps its arguments."""
-    from ember.cli.runtime import _find_allocator
-
     if _find_allocator() is None:
         pytest.skip("tcmalloc is not installed here")
     script = tmp_path / "probe.py"
