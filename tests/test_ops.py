@@ -1,7 +1,9 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
 from ember.ops.attention import group_by_length, varlen_attention
+from ember.ops.linear import ACTIVATIONS, PackedLinear, linear_act, onednn_bf16, pack_linears
 from ember.ops.pooling import pool
 
 
@@ -56,3 +58,40 @@ def test_token_slices_equal_the_whole():
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     fn = lambda a, b: a * 2 + b.sum(-1, keepdim=True)  # noqa: E731
     torch.testing.assert_close(by_token_slices(fn, x, y, size=3), fn(x, y))
+
+
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bf16 matmul on this CPU / torch build")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("act", [None, *ACTIVATIONS])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_fuses_bias_and_activation(act, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160, bias=bias).bfloat16()
+    x = torch.randn(37, 96, dtype=torch.bfloat16)
+    b = None if lin.bias is None else lin.bias.float()
+    ref = F.linear(x.float(), lin.weight.float(), b)  # float32, rounded once at the end
+    ref = ACTIVATIONS[act](ref) if act else ref
+    packed = PackedLinear(lin)
+    got = linear_act(packed, x, act) if act else packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 160)
+    torch.testing.assert_close(got.float(), ref, atol=0.02, rtol=0.01)  # bf16 rounding of the output only
+    eager = linear_act(lin, x, act) if act else lin(x)  # the unpacked layer: the same up to that rounding
+    torch.testing.assert_close(got.float(), eager.float(), atol=0.03, rtol=0.02)
+    torch.testing.assert_close(packed(x[:1]), packed(x)[:1], atol=0, rtol=0)  # alone == in a batch
+
+
+@needs_onednn_bf16
+def test_pack_linears_replaces_bf16_linears_only():
+    from ember.ops.quant import Int8Linear, onednn_int8
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).bfloat16()
+    assert pack_linears(net, torch.float32) == 0 and type(net[0]) is torch.nn.Linear  # float32: left to MKL
+    if onednn_int8():
+        net[2] = Int8Linear(net[2], torch.bfloat16)
+    before = net(torch.ones(3, 8, dtype=torch.bfloat16))
+    assert pack_linears(net, torch.bfloat16) == (1 if onednn_int8() else 2)
+    assert isinstance(net[0], PackedLinear)
+    assert isinstance(net[2], Int8Linear if onednn_int8() else PackedLinear)
+    torch.testing.assert_close(net(torch.ones(3, 8, dtype=torch.bfloat16)), before, atol=0.02, rtol=0.01)

@@ -36,6 +36,7 @@ from ember.models.checkpoint import (
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import read_st_modules, resolve_pooling
+from ember.ops.linear import pack_linears
 from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
@@ -169,7 +170,8 @@ def load(
     release_mapped_pages(path)  # the pages of tensors the model copied (cast, merged) are dead
     if quantization == "int8":
         quantize_int8(net, dt, cls.int8_layers)  # type: ignore[attr-defined]
-        release_mapped_pages(path)  # and those of the bf16 matrices int8 replaced
+    if pack_linears(net, dt) or quantization:
+        release_mapped_pages(path)  # and those of the matrices packed or made int8
     dense = [Dense.load(d) for d in st.dense_dirs]
     tokenizer = Tokenizer.from_dir(path, ensure_eos=pooling.method == "LAST")
     dims = config.get("matryoshka_dimensions")

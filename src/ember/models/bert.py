@@ -6,28 +6,19 @@ bidirectional attention inside each sequence. Parameter names are the checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.ops.attention import varlen_attention
+from ember.ops.linear import ACTIVATIONS, linear_act
 from ember.ops.norms import layer_norm
 from ember.ops.tokenwise import by_token_slices
 
 __all__ = ["BertArgs", "BertModel"]
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
 
 
 @dataclass(frozen=True)
@@ -51,8 +42,8 @@ class BertArgs:
                 f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (only absolute)"
             )
         act = cfg.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; known: {sorted(_ACTIVATIONS)}")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; known: {sorted(ACTIVATIONS)}")
         is_xlmr = cfg.get("model_type") in ("xlm-roberta", "roberta")
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -136,10 +127,10 @@ class Intermediate(nn.Module):
     def __init__(self, a: BertArgs) -> None:
         super().__init__()
         self.dense = nn.Linear(a.hidden_size, a.intermediate_size)
-        self.act = _ACTIVATIONS[a.hidden_act]
+        self.act = a.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return linear_act(self.dense, x, self.act)  # one kernel once the layer is packed
 
 
 class Layer(nn.Module):
