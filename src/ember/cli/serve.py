@@ -7,6 +7,7 @@ import logging
 import math
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ember.cli.flags import add_serve_flags, api_keys, check_runner, parse_json_flag, warn_ignored
@@ -74,22 +75,26 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     pooler = PoolerConfig.parse(args.pooler_config or args.override_pooler_config)
     model = args.model or args.model_tag
     quantization = args.quantization or ("int8" if args.dtype == "int8" else None)
-    loaded = load(
-        model,
-        dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
-        quantization=quantization,
-        max_model_len=args.max_model_len,
-        pooler=pooler,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        served_name=(args.served_model_name or [None])[0],
-        hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
-        limits=Limits(
-            batch_tokens=args.max_num_batched_tokens,
-            queued_tokens=args.max_queued_tokens,
-            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-        ),
-    )
+    # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
+    # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
+    with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
+        loaded = loader.submit(
+            load,
+            model,
+            dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
+            quantization=quantization,
+            max_model_len=args.max_model_len,
+            pooler=pooler,
+            revision=args.revision,
+            download_dir=args.download_dir,
+            served_name=(args.served_model_name or [None])[0],
+            hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+            limits=Limits(
+                batch_tokens=args.max_num_batched_tokens,
+                queued_tokens=args.max_queued_tokens,
+                memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+            ),
+        ).result()
     engine_config = EngineConfig(
         max_num_batched_tokens=loaded.memory.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
