@@ -144,3 +144,26 @@ def test_matryoshka_dimensions_truncate_before_normalising(tmp_path):
     long, _ = mrl.embed(["some text"], normalize=False)
     expected = long[0, :8] / np.linalg.norm(long[0, :8])
     np.testing.assert_allclose(short[0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "bert"])
+def test_batches_run_at_rounded_token_counts_and_the_filler_changes_nothing(tmp_path, kind):
+    from ember.engine.runner import _positions, padded_tokens
+    from ember.ops.pooling import pool
+
+    assert [padded_tokens(n) for n in (1, 16, 17, 511, 512, 513, 2047)] == [16, 16, 32, 512, 512, 576, 2048]
+    path = build_qwen3(tmp_path) if kind == "qwen3" else build_bert(tmp_path)
+    runner = Embedder(str(path), dtype="float32")._loaded.runner
+    batch = [[5, 6, 7], list(range(10, 30))]  # 23 tokens: run as 32, with a filler sequence of 9
+    seen = []
+    hook = runner.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    try:
+        ours = runner.embed(batch)
+    finally:
+        hook.remove()
+    assert seen == [32]
+    with torch.inference_mode():  # the same batch without a filler
+        ids = torch.tensor([t for seq in batch for t in seq])
+        hidden = runner.model(ids, _positions([3, 20]), [3, 20])
+        expected = pool(hidden, [3, 20], runner.info.pooling.method).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)

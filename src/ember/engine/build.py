@@ -82,7 +82,7 @@ class Limits:
     """Bytes to plan for instead of the detected cgroup limit or available memory (--memory-limit)."""
 
 
-KERNEL_CACHE = 32
+KERNEL_CACHE = 256
 """oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY). Every distinct GEMM shape is a primitive
 holding its own buffers; oneDNN's default of 1,024 let a server fed varied batch sizes grow by
 ~600 MB (measured, docs/benchmarks.md). One forward uses about a dozen shapes."""
