@@ -1,6 +1,7 @@
 """The async engine on a fake runner: batching, ordering, backpressure, cancellation, failures."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -206,6 +207,10 @@ def test_kernels_compile_beside_serving_and_a_failed_compile_keeps_serving(runne
                 break
             await asyncio.sleep(0.01)
         after = await engine.embed(["served after"])
+        for _ in range(200):  # the compile thread ends with its work (and OpenMP's worker pool with it)
+            if not _compile_threads():
+                break
+            await asyncio.sleep(0.01)
         await engine.stop()
         return engine.kernels, result, after
 
@@ -213,6 +218,11 @@ def test_kernels_compile_beside_serving_and_a_failed_compile_keeps_serving(runne
     assert kernels == ("failed" if error else "compiled")
     assert len(result.vectors) == len(after.vectors) == 1
     assert runner.compiled.is_set() == (error is None)
+    assert _compile_threads() == []
+
+
+def _compile_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ember-compile")]
 
 
 def test_kernels_are_not_compiled_unless_asked(runner, tokenizer):

@@ -3,8 +3,8 @@
 `F.linear` in bf16 re-lays its plain (N, K) weights into oneDNN's blocked format on every call, then
 adds the bias in a separate pass (a broadcast copy into the output); an activation after it is a third
 pass. Packed once, the product, bias and activation are one kernel: measured in-process against the eager
-layers (alternating, paired medians): all-MiniLM-L6-v2 1.09-1.23x end to end, the Qwen3-0.6B shape 1.40x
-on 8 short queries (~1.0x on 2,048-token batches, where the per-call re-layout is amortised).
+layers (alternating, paired medians): all-MiniLM-L6-v2 1.11-1.17x end to end, the Qwen3-0.6B shape 1.20x
+on 8 short queries (1.00-1.10x on 2,048-token batches, where the per-call re-layout is amortised).
 Results equal the eager layers' to bf16 rounding; a CPU or torch build without oneDNN bf16 keeps nn.Linear.
 """
 
