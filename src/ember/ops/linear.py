@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "PackedLinear", "linear_act", "onednn_bf16", "pack_linears"]
+__all__ = ["ACTIVATIONS", "PackedLinear", "linear_act", "onednn_bf16", "pack_linears", "replace_linears"]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -80,9 +80,14 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     (Layers already replaced, e.g. by int8 ones, are left as they are.)"""
     if dtype != torch.bfloat16 or not onednn_bf16():
         return 0
-    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    return replace_linears(model, [name for name, m in model.named_modules() if type(m) is nn.Linear], PackedLinear)
+
+
+def replace_linears(model: nn.Module, names: list[str], make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace each nn.Linear of `model` named in `names` by make(it), one at a time (so each old
+    matrix can be freed as it goes); returns how many."""
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, PackedLinear(getattr(parent, child)))
+        setattr(parent, child, make(getattr(parent, child)))
     return len(names)

@@ -19,6 +19,8 @@ import re
 import torch
 from torch import nn
 
+from ember.ops.linear import replace_linears
+
 __all__ = ["Int8Linear", "int8_mm", "int8_targets", "onednn_int8", "quantize_int8"]
 
 
@@ -101,8 +103,4 @@ def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
 def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str) -> int:
     """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many."""
     names = list(int8_targets(model, pattern))  # names only: each float matrix is freed once replaced
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, Int8Linear(getattr(parent, child), dtype))
-    return len(names)
+    return replace_linears(model, names, lambda linear: Int8Linear(linear, dtype))
