@@ -12,6 +12,7 @@ from torch import nn
 
 from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
+from ember.ops.native import build_attention
 from ember.ops.pooling import pool
 from ember.types import ModelInfo
 
@@ -46,7 +47,9 @@ class TorchRunner:
         return pooled.numpy()
 
     def compile(self) -> None:
-        """Compiles the model's fused kernels with a small forward on this thread; then every thread uses them."""
+        """Builds ember's native attention (where it can run) and compiles the model's fused kernels with a
+        small forward on this thread; then every thread uses them."""
+        build_attention()
         with compiling():
             self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
         self.compiled = True

@@ -1,4 +1,9 @@
-"""Attention over packed variable-length sequences, through memory-efficient SDPA.
+"""Attention over packed variable-length sequences: ember's native kernel where built, else SDPA.
+
+In bf16 on a CPU with AMX, once ember.ops.native has built it, every sequence of a batch goes through
+one call of the native flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place
+and writes the packed output. Batches whose sequences are all short (< 128 tokens) stay on SDPA, which
+is faster there. The rest of this module is the SDPA path, used everywhere else:
 
 Sequences are laid end to end (T = sum of lengths). Attention runs per group of
 similar-length sequences, padded only within the group, so no full T x T score matrix
@@ -15,11 +20,15 @@ attention would need a key mask for it, so only groups padded (and masked) anywa
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ember.ops.native import attention_kernel
 
 __all__ = ["group_by_length", "varlen_attention"]
 
@@ -30,6 +39,47 @@ _MAX_PADDING = 0.25
 _OWN_CALL = 128
 # Lengths from _ALIGN_FROM tokens are padded to a multiple of _ALIGN (shorter ones measured no faster).
 _ALIGN, _ALIGN_FROM = 16, 64
+
+
+# The native kernel serves batches with a sequence at least this long; below, SDPA measured faster.
+_NATIVE_FROM = 128
+# From this longest sequence on, the kernel reads keys in blocks of 128 rather than 64.
+_LONG_BLOCKS_FROM = 2048
+
+
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int]) -> bool:
+    d = q.shape[-1]
+    return (
+        q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and d % 32 == 0
+        and d <= 256
+        and q.shape[1] % k.shape[1] == 0
+        and all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
+        and max(seqlens) >= _NATIVE_FROM
+        and not (q.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def _native(
+    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
+) -> torch.Tensor:
+    t, hq, d = q.shape
+    out = torch.empty((t, hq, d), dtype=q.dtype)
+    cu = _offsets(tuple(seqlens))
+    status = kernel.ember_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(),
+        len(seqlens), hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
+        int(causal), d**-0.5, int(max(seqlens) >= _LONG_BLOCKS_FROM),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"native attention refused shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _offsets(seqlens: tuple[int, ...]) -> torch.Tensor:
+    """Where each sequence starts, and the total: (B + 1,) int64, the same for every layer of a forward."""
+    return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int64)
 
 
 def group_by_length(seqlens: list[int]) -> list[list[int]]:
@@ -62,6 +112,9 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
 ) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
+    kernel = attention_kernel()
+    if kernel is not None and _native_fits(q, k, v, seqlens):
+        return _native(kernel, q, k, v, seqlens, causal)
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)
