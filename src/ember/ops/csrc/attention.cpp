@@ -1,8 +1,9 @@
 // Flash attention over packed variable-length sequences, bf16 in and out, for CPUs with AMX.
 //
 // Built at run time by ember.ops.native (g++ -march=native, against the installed torch's headers),
-// loaded with ctypes. The two matrix products per block run in oneDNN's AMX micro-kernels through
-// torch's at::native::cpublas::brgemm; the softmax between them is one AVX-512 pass per score row.
+// loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. The two matrix
+// products per block are AMX tile loops written here (oneDNN's brgemm micro-kernels measured 2-3x
+// slower at these small shapes: 64 x 64 x 128); the softmax between them is AVX-512.
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
@@ -10,8 +11,9 @@
 //     does the masked half of the work too);
 //   - exp as 2^x: one FMA into base 2, a degree-5 polynomial and a scalef; the running max is raised
 //     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows.
-// Work items (sequence, head, query block) are handed out costliest first from one atomic counter,
-// so threads stay balanced under the causal triangle.
+// Work items (sequence, kv head, query block: the query heads sharing a kv head go together) are
+// handed out from one atomic counter, longest sequences first, so threads stay balanced under the
+// causal triangle.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,7 +41,7 @@ constexpr int kBM = 64;  // query rows per block
 constexpr int kMaxHead = 256;
 
 struct Item {
-  int32_t seq, head, qblock, kvblocks;
+  int32_t seq, head, qblock, kvblocks;  // head: the kv head
 };
 
 // --- AMX: every tile is 16 rows x 64 bytes (a 16 x 32 bf16 operand or a 16 x 16 fp32 result) ---
