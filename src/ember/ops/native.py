@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ember.hardware import cpu_flags
+
 __all__ = ["attention_kernel", "build_attention", "native_attention_enabled"]
 
 log = logging.getLogger("ember.native")
@@ -53,7 +55,7 @@ def build_attention() -> ctypes.CDLL | None:
         _tried = True
         if not native_attention_enabled() or platform.system() != "Linux" or platform.machine() != "x86_64":
             return None
-        if not _cpu_flags() >= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}:
+        if not cpu_flags() >= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}:
             log.info("native attention: this CPU has no AMX bf16; attention uses torch's SDPA")
             return None
         compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
@@ -75,17 +77,6 @@ def build_attention() -> ctypes.CDLL | None:
         return lib
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def _cache_dir() -> Path:
     root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "ember"
@@ -101,7 +92,7 @@ def _library(compiler: str) -> Path:
         _SOURCE.read_bytes(),
         torch.__version__.encode(),
         compiler.encode(),
-        " ".join(sorted(_cpu_flags())).encode(),
+        " ".join(sorted(cpu_flags())).encode(),
     ):
         key.update(part)
     out = _cache_dir() / f"ember_attention-{key.hexdigest()[:16]}.so"
