@@ -45,7 +45,9 @@ CASES = [
     ((16, 8, 128), [1, 63, 64, 65, 200]),
     ((6, 2, 64), [129, 5, 300, 128]),
     ((4, 4, 32), [250, 17]),
-    ((16, 8, 128), [2100, 40]),  # blocks of 128 keys
+    ((16, 8, 128), [2100, 40]),  # blocks of 64 query rows x 128 keys
+    ((16, 8, 128), [20, 20, 20, 1, 15, 63]),  # under 64 tokens: blocks of 32 x 32
+    ((12, 12, 32), [5, 31, 32, 33, 2]),  # all-MiniLM-L6-v2's heads
 ]
 
 
@@ -78,15 +80,15 @@ def test_a_sequence_alone_equals_it_inside_a_batch(kernel: ctypes.CDLL) -> None:
     assert torch.equal(batch[300:450], alone)
 
 
-def test_varlen_attention_uses_it_for_long_enough_batches(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_kernel", kernel)
-    q, k, v = _packed([150, 30], 16, 8, 128, seed=2)
-    assert torch.equal(
-        varlen_attention(q, k, v, [150, 30], causal=True), attention._native(kernel, q, k, v, [150, 30], True)
-    )
-    short = _packed([100, 30], 16, 8, 128, seed=3)
-    assert not attention._native_fits(*short, [100, 30])  # all under 128 tokens: SDPA
-    assert not attention._native_fits(*(t.float() for t in short), [150, 30])  # float32: SDPA
+    for seqlens in ([150, 30], [20, 9]):
+        q, k, v = _packed(seqlens, 16, 8, 128, seed=2)
+        assert torch.equal(
+            varlen_attention(q, k, v, seqlens, causal=True), attention._native(kernel, q, k, v, seqlens, True)
+        )
+    assert not attention._native_fits(*(t.float() for t in (q, k, v)), [20, 9])  # float32: SDPA
+    assert [attention._blocks(n) for n in (1, 63, 64, 2047, 2048)] == [0, 0, 1, 1, 2]
 
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,11 @@
 //     does the masked half of the work too);
 //   - exp as 2^x: one FMA into base 2, a degree-5 polynomial and a scalef; the running max is raised
 //     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows.
-// Work items (sequence, kv head, query block: the query heads sharing a kv head go together) are
-// handed out from one atomic counter, longest sequences first, so threads stay balanced under the
+//   - blocks sized to the batch: 32 x 32 for short sequences (a query of 20 tokens computes 1/4 of a
+//     64 x 64 block's work), 64 x 64, and 64 x 128 keys for long ones.
+// One parallel region per call: the threads first pack K and V of the whole batch (into a buffer freed
+// on return), then take work items (sequence, kv head, query block: the query heads sharing a kv head
+// go together) from one atomic counter, longest sequences first, so they stay balanced under the
 // causal triangle.
 
 #include <ATen/Parallel.h>
@@ -26,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_BF16__)
@@ -37,7 +41,6 @@ using bf16 = uint16_t;  // bfloat16 bits
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kBM = 64;  // query rows per block
 constexpr int kMaxHead = 256;
 
 struct Item {
@@ -155,54 +158,84 @@ inline void store_row(const float* o, bf16* dst, int64_t d, float a) {
   }
 }
 
+// Transposes a 16 x 16 matrix of 32-bit words held in r[0..15] (rows) in place.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
+                  y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
 // One key block (N rows of D, zero past `rows`) in the layouts the AMX kernels read:
-// K^T as [D/2][N][2] (B of Q K^T), V as [N/2][D][2] (B of P V).
+// K^T as [D/2][N][2] (B of Q K^T: a transpose of 32-bit pairs, 16 x 16 at a time),
+// V as [N/2][D][2] (B of P V: rows interleaved in pairs).
 template <int N>
 void pack_kv(const bf16* k, const bf16* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, bf16* kp, bf16* vp) {
-  const int64_t half = d / 2;
+  const int64_t words = d / 2;
   auto* kp32 = reinterpret_cast<uint32_t*>(kp);
-  for (int64_t n = 0; n < N; ++n) {
-    if (n < rows) {
-      uint32_t row[kMaxHead / 2];
-      std::memcpy(row, k + n * sk, d * sizeof(bf16));
-      for (int64_t j = 0; j < half; ++j) kp32[j * N + n] = row[j];
-    } else {
-      for (int64_t j = 0; j < half; ++j) kp32[j * N + n] = 0;
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    for (int64_t j0 = 0; j0 < words; j0 += 16) {
+      __m512i r[16];
+      for (int64_t n = 0; n < 16; ++n)
+        r[n] = n0 + n < rows ? _mm512_loadu_si512(k + (n0 + n) * sk + 2 * j0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(kp32 + (j0 + j) * N + n0, r[j]);
     }
   }
-  for (int64_t n = 0; n < N; ++n) {
-    bf16* dst = vp + (n / 2) * d * 2 + (n % 2);
-    if (n < rows) {
-      const bf16* src = v + n * sv;
-      for (int64_t j = 0; j < d; ++j) dst[2 * j] = src[j];
-    } else {
-      for (int64_t j = 0; j < d; ++j) dst[2 * j] = bf16(0);
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t n = 0; n < N; n += 2) {
+    bf16* dst = vp + n * d;
+    for (int64_t j = 0; j < d; j += 32) {
+      const __m512i a = n < rows ? _mm512_loadu_si512(v + n * sv + j) : _mm512_setzero_si512();
+      const __m512i b = n + 1 < rows ? _mm512_loadu_si512(v + (n + 1) * sv + j) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * j, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 2 * j + 32, _mm512_permutex2var_epi16(a, hi, b));
     }
   }
 }
 
-thread_local std::vector<bf16> t_packed;  // K and V blocks, reused across calls
+// A thread's buffers for one work item (bounded by the head count and size, kept between calls).
+struct Scratch {
+  std::vector<bf16> qbuf, probs;
+  std::vector<float> scores, acc, row_max, row_sum;
+  void resize(int64_t rows, int64_t keys, int64_t d) {
+    qbuf.resize(rows * d), probs.resize(rows * keys), scores.resize(rows * keys), acc.resize(rows * d);
+    row_max.resize(rows), row_sum.resize(rows);
+  }
+};
+thread_local Scratch t_scratch;
 
-template <int BN>
+// BM query rows per block, BN keys per block (multiples of 32).
+template <int BM, int BN>
 void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq, int64_t hq,
             int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, float scale) {
   const int64_t group = hq / hkv, block = BN * d;
   std::vector<int64_t> first(nseq + 1, 0);  // first key block of each sequence
   for (int64_t s = 0; s < nseq; ++s) first[s + 1] = first[s] + (cu[s + 1] - cu[s] + BN - 1) / BN;
-  const int64_t nblocks = first[nseq];
-  if (static_cast<int64_t>(t_packed.size()) < 2 * nblocks * hkv * block) t_packed.resize(2 * nblocks * hkv * block);
-  bf16* kpack = t_packed.data();
-  bf16* vpack = kpack + nblocks * hkv * block;
-
-  at::parallel_for(0, nblocks * hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / hkv, g = i % hkv;
-      const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
-      const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
-      pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
-                  vpack + i * block);
-    }
-  });
+  const int64_t nblocks = first[nseq], npack = nblocks * hkv;
+  // K and V of the whole batch, packed (as large as k and v; freed on return)
+  std::unique_ptr<bf16[]> packed(new bf16[2 * npack * block]);
+  bf16* kpack = packed.get();
+  bf16* vpack = kpack + npack * block;
 
   // Work items: one query block of one sequence for all the query heads sharing a kv head (their
   // scores are one matrix product against the same keys). Ordered by sequence and kv head, so items
@@ -214,51 +247,63 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
   for (int64_t s : order) {
     const int64_t len = cu[s + 1] - cu[s], nb = first[s + 1] - first[s];
     for (int64_t g = 0; g < hkv; ++g)
-      for (int64_t m = (len + kBM - 1) / kBM - 1; m >= 0; --m) {
-        const int64_t kvb = causal ? std::min<int64_t>(nb, (m * kBM + kBM + BN - 1) / BN) : nb;
+      for (int64_t m = (len + BM - 1) / BM - 1; m >= 0; --m) {
+        const int64_t kvb = causal ? std::min<int64_t>(nb, (m * BM + BM + BN - 1) / BN) : nb;
         items.push_back({int32_t(s), int32_t(g), int32_t(m), int32_t(kvb)});
       }
   }
-  const int64_t nitems = items.size(), rows_all = group * kBM;
+  const int64_t nitems = items.size(), rows_all = group * BM;
   const float c = scale * kLog2e;
-  std::atomic<int64_t> next{0};
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // One parallel region: the threads pack every key block, wait for each other, then take work items.
+  std::atomic<int64_t> next_pack{0}, packed_count{0}, next{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<bf16> qbuf(rows_all * d), probs(rows_all * BN, 0);
-    std::vector<float> scores(rows_all * BN), acc(rows_all * d), row_max(rows_all), row_sum(rows_all);
+    int64_t done = 0;
+    for (int64_t i; (i = next_pack.fetch_add(1, std::memory_order_relaxed)) < npack; ++done) {
+      const int64_t b = i / hkv, g = i % hkv;
+      const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+      const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
+      pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
+                  vpack + i * block);
+    }
+    packed_count.fetch_add(done, std::memory_order_release);
+    while (packed_count.load(std::memory_order_acquire) < npack) _mm_pause();
+
+    Scratch& w = t_scratch;
+    w.resize(rows_all, BN, d);
     load_tile_config();
-    for (int64_t it; (it = next.fetch_add(1)) < nitems;) {
-      const Item& w = items[it];
-      const int64_t s = w.seq, g = w.head, len = cu[s + 1] - cu[s];
-      const int64_t m0 = int64_t(w.qblock) * kBM, rows = std::min<int64_t>(kBM, len - m0);
-      // row x = head (g * group + x / kBM), token m0 + x % kBM
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < nitems;) {
+      const Item& item = items[it];
+      const int64_t s = item.seq, g = item.head, len = cu[s + 1] - cu[s];
+      const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
+      // row x = head (g * group + x / BM), token m0 + x % BM
       for (int64_t x = 0; x < rows_all; ++x) {
-        const int64_t h = g * group + x / kBM, r = x % kBM;
-        if (r < rows) std::memcpy(qbuf.data() + x * d, q + (cu[s] + m0 + r) * sq + h * d, d * sizeof(bf16));
-        else std::memset(qbuf.data() + x * d, 0, d * sizeof(bf16));
-        row_max[x] = kNegInf;
-        row_sum[x] = 0.f;
+        const int64_t h = g * group + x / BM, r = x % BM;
+        if (r < rows) std::memcpy(w.qbuf.data() + x * d, q + (cu[s] + m0 + r) * sq + h * d, d * sizeof(bf16));
+        else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
+        w.row_max[x] = kNegInf;
+        w.row_sum[x] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < w.kvblocks; ++b) {
+      std::fill(w.acc.begin(), w.acc.end(), 0.f);
+      for (int64_t b = 0; b < item.kvblocks; ++b) {
         const int64_t i = (first[s] + b) * hkv + g, n0 = b * BN;
-        tile_gemm<false>(rows_all, BN, d, qbuf.data(), d, kpack + i * block, BN, scores.data(), BN);
+        tile_gemm<false>(rows_all, BN, d, w.qbuf.data(), d, kpack + i * block, BN, w.scores.data(), BN);
         const int64_t cols = std::min<int64_t>(BN, len - n0);
         for (int64_t x = 0; x < rows_all; ++x) {
-          const int64_t r = x % kBM;
+          const int64_t r = x % BM;
           if (r >= rows) continue;
-          float* srow = scores.data() + x * BN;
+          float* srow = w.scores.data() + x * BN;
           const int64_t keep = causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
           for (int64_t c = std::max<int64_t>(keep, 0); c < BN; ++c) srow[c] = kNegInf;
-          const float factor = softmax_row<BN>(srow, probs.data() + x * BN, c, row_max[x], row_sum[x]);
-          if (b > 0 && factor != 1.f) scale_row(acc.data() + x * d, d, factor);
+          const float factor = softmax_row<BN>(srow, w.probs.data() + x * BN, c, w.row_max[x], w.row_sum[x]);
+          if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
         }
-        tile_gemm<true>(rows_all, d, BN, probs.data(), BN, vpack + i * block, d, acc.data(), d);
+        tile_gemm<true>(rows_all, d, BN, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
       }
       for (int64_t x = 0; x < rows_all; ++x) {
-        const int64_t h = g * group + x / kBM, r = x % kBM;
-        if (r < rows) store_row(acc.data() + x * d, out + ((cu[s] + m0 + r) * hq + h) * d, d, 1.f / row_sum[x]);
+        const int64_t h = g * group + x / BM, r = x % BM;
+        if (r < rows) store_row(w.acc.data() + x * d, out + ((cu[s] + m0 + r) * hq + h) * d, d, 1.f / w.row_sum[x]);
       }
     }
     _tile_release();
@@ -275,13 +320,19 @@ int ember_attention_usable() {
 }
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
-// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. Returns 0, or 1 for unsupported shapes.
+// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks: 0 for 32 x 32 (query rows x keys),
+// 1 for 64 x 64, 2 for 64 x 128. Returns 0, or 1 for unsupported shapes.
 int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
                     int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
-                    int long_blocks) {
+                    int blocks) {
   if (d % 32 != 0 || d > kMaxHead || hkv <= 0 || hq % hkv != 0) return 1;
-  if (long_blocks) attend<128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal != 0, scale);
-  else attend<64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal != 0, scale);
+  const bool c = causal != 0;
+  switch (blocks) {  // query rows x keys per block
+    case 0: attend<32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+    case 1: attend<64, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+    case 2: attend<64, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+    default: return 1;
+  }
   return 0;
 }
 
