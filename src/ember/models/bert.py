@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ember.errors import UnsupportedModelError
+from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
 from ember.ops.linear import ACTIVATIONS, linear_act
 from ember.ops.norms import layer_norm
@@ -84,18 +85,18 @@ class Embeddings(nn.Module):
 
 
 class SelfAttention(nn.Module):
+    """query, key and value as one (3 x hidden, hidden) layer: one GEMM instead of three (a load hook
+    concatenates the checkpoint's three)."""
+
     def __init__(self, a: BertArgs) -> None:
         super().__init__()
         self.n_heads, self.head_dim = a.num_attention_heads, a.hidden_size // a.num_attention_heads
-        self.query = nn.Linear(a.hidden_size, a.hidden_size)
-        self.key = nn.Linear(a.hidden_size, a.hidden_size)
-        self.value = nn.Linear(a.hidden_size, a.hidden_size)
+        self.qkv = nn.Linear(a.hidden_size, 3 * a.hidden_size)
+        self._register_load_state_dict_pre_hook(concat_hook("qkv", ("query", "key", "value")))
 
     def forward(self, x: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         T = x.shape[0]
-        q = self.query(x).view(T, self.n_heads, self.head_dim)  # (T, H, D)
-        k = self.key(x).view(T, self.n_heads, self.head_dim)
-        v = self.value(x).view(T, self.n_heads, self.head_dim)
+        q, k, v = self.qkv(x).view(T, 3 * self.n_heads, self.head_dim).split(self.n_heads, dim=1)  # (T, H, D) each
         return varlen_attention(q, k, v, seqlens, causal=False).reshape(T, -1)  # (T, hidden)
 
 

@@ -12,7 +12,7 @@ import importlib.util
 import json
 import logging
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,15 @@ from safetensors import safe_open
 
 from ember.errors import CheckpointError
 
-__all__ = ["DEFAULT_MODEL", "iter_weights", "parameter_count", "read_config", "release_mapped_pages", "resolve_model"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "concat_hook",
+    "iter_weights",
+    "parameter_count",
+    "read_config",
+    "release_mapped_pages",
+    "resolve_model",
+]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +159,19 @@ def parameter_count(path: Path) -> int:
                 shape = f.get_slice(name).get_shape()
                 total += int(torch.tensor(shape).prod().item()) if shape else 1
     return total
+
+
+def concat_hook(merged: str, parts: tuple[str, ...]) -> Callable[..., None]:
+    """A load_state_dict pre-hook replacing the checkpoint's `parts` layers (weights, and biases where
+    they have them) by one `merged` layer, stacked along the output axis in the order the forward splits it."""
+
+    def hook(state: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+        for suffix in ("weight", "bias"):
+            names = [f"{prefix}{part}.{suffix}" for part in parts]
+            if all(name in state for name in names):
+                state[f"{prefix}{merged}.{suffix}"] = torch.cat([state.pop(name) for name in names])
+
+    return hook
 
 
 def release_mapped_pages(path: Path) -> int:

@@ -7,13 +7,13 @@ one activation quantisation with int8); load hooks concatenate the checkpoint's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
 from ember.ops.fused import Fused, qk_norm_rope, rms_norm, silu_mul
 from ember.ops.quant import Int8Linear
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-        self._register_load_state_dict_pre_hook(_concat_hook("qkv_proj", ("q_proj", "k_proj", "v_proj")))
+        self._register_load_state_dict_pre_hook(concat_hook("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Per token: q/k norms and rotary on the (T, (Hq + 2 Hkv) * D) projection; (T, Hq + 2 Hkv, D)."""
@@ -89,22 +89,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-        self._register_load_state_dict_pre_hook(_concat_hook("gate_up_proj", ("gate_proj", "up_proj")))
+        self._register_load_state_dict_pre_hook(concat_hook("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-
-def _concat_hook(merged: str, parts: tuple[str, ...]) -> Callable[..., None]:
-    """A load_state_dict pre-hook replacing the checkpoint's `parts` weights by one `merged` weight,
-    stacked along the output axis (in the order the forward splits it)."""
-
-    def hook(state: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
-        names = [f"{prefix}{part}.weight" for part in parts]
-        if all(name in state for name in names):
-            state[f"{prefix}{merged}.weight"] = torch.cat([state.pop(name) for name in names])
-
-    return hook
 
 
 def _holds_int8(block: Block) -> bool:
