@@ -1,7 +1,8 @@
 """BERT and XLM-RoBERTa encoders (MiniLM, BGE, E5, GTE, bge-m3, multilingual-e5).
 
 Runs packed: x is (T, hidden) for all sequences of a batch laid end to end, with
-bidirectional attention inside each sequence. Parameter names are the checkpoint's.
+bidirectional attention inside each sequence. Parameter names are the checkpoint's, except that
+query, key and value are one layer (a load hook concatenates the checkpoint's three).
 """
 
 from __future__ import annotations
