@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from run import QWEN_DIR, start_server  # noqa: E402
+from run import QWEN_DIR, start_server, stop  # noqa: E402
 
 from ember import Embedder  # noqa: E402
 from ember.cli.bench import WORKLOADS, run_workload  # noqa: E402
@@ -47,7 +47,7 @@ def throughput_vs_batch(model: str, sizes: list[int]) -> list[float]:
 
 
 def latency_vs_concurrency(model: str, levels: list[int]) -> list[tuple[float, float, float]]:
-    proc, _ = start_server(model, ["--dtype", "bfloat16"])
+    proc, _, _ = start_server(model, ["--dtype", "bfloat16"])
     try:
         out = []
         for c in levels:
@@ -59,8 +59,7 @@ def latency_vs_concurrency(model: str, levels: list[int]) -> list[tuple[float, f
             )
         return out
     finally:
-        proc.terminate()
-        proc.wait()
+        stop(proc)
 
 
 def main() -> None:
