@@ -52,7 +52,7 @@ def _blocks(longest: int) -> int:
     return 0 if longest < _SMALL_BLOCKS_BELOW else 1 if longest < _LONG_BLOCKS_FROM else 2
 
 
-def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int]) -> bool:
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (
         q.dtype == k.dtype == v.dtype == torch.bfloat16
@@ -117,7 +117,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
     kernel = attention_kernel()
-    if kernel is not None and _native_fits(q, k, v, seqlens):
+    if kernel is not None and _native_fits(q, k, v):
         return _native(kernel, q, k, v, seqlens, causal)
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)

@@ -224,6 +224,27 @@ struct Scratch {
 };
 thread_local Scratch t_scratch;
 
+// Work items: one query block of one sequence for all the query heads sharing a kv head (their
+// scores are one matrix product against the same keys). Ordered by sequence and kv head, so items
+// next to each other read the same keys and values; the costliest sequences first.
+template <int BM, int BN>
+std::vector<Item> work_items(const int64_t* cu, const std::vector<int64_t>& first, int64_t nseq, int64_t hkv,
+                             bool causal) {
+  std::vector<int64_t> order(nseq);
+  for (int64_t s = 0; s < nseq; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cu[a + 1] - cu[a] > cu[b + 1] - cu[b]; });
+  std::vector<Item> items;
+  for (int64_t s : order) {
+    const int64_t len = cu[s + 1] - cu[s], nb = first[s + 1] - first[s];
+    for (int64_t g = 0; g < hkv; ++g)
+      for (int64_t m = (len + BM - 1) / BM - 1; m >= 0; --m) {
+        const int64_t kvb = causal ? std::min<int64_t>(nb, (m * BM + BM + BN - 1) / BN) : nb;
+        items.push_back({int32_t(s), int32_t(g), int32_t(m), int32_t(kvb)});
+      }
+  }
+  return items;
+}
+
 // BM query rows per block, BN keys per block (multiples of 32).
 template <int BM, int BN>
 void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq, int64_t hq,
@@ -237,21 +258,7 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
   bf16* kpack = packed.get();
   bf16* vpack = kpack + npack * block;
 
-  // Work items: one query block of one sequence for all the query heads sharing a kv head (their
-  // scores are one matrix product against the same keys). Ordered by sequence and kv head, so items
-  // next to each other read the same keys and values; the costliest sequences first.
-  std::vector<int64_t> order(nseq);
-  for (int64_t s = 0; s < nseq; ++s) order[s] = s;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cu[a + 1] - cu[a] > cu[b + 1] - cu[b]; });
-  std::vector<Item> items;
-  for (int64_t s : order) {
-    const int64_t len = cu[s + 1] - cu[s], nb = first[s + 1] - first[s];
-    for (int64_t g = 0; g < hkv; ++g)
-      for (int64_t m = (len + BM - 1) / BM - 1; m >= 0; --m) {
-        const int64_t kvb = causal ? std::min<int64_t>(nb, (m * BM + BM + BN - 1) / BN) : nb;
-        items.push_back({int32_t(s), int32_t(g), int32_t(m), int32_t(kvb)});
-      }
-  }
+  const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal);
   const int64_t nitems = items.size(), rows_all = group * BM;
   const float c = scale * kLog2e;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
