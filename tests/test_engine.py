@@ -57,6 +57,42 @@ def test_batches_respect_token_and_sequence_limits(runner, tokenizer):
         assert len(batch) <= 3 and sum(map(len, batch)) <= 20
 
 
+def test_a_lone_client_does_not_pay_the_batch_wait(runner, tokenizer):
+    async def main():
+        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
+        # one client, one request at a time: nothing else is coming, so none of them waits the 5 s
+        results = [await asyncio.wait_for(engine.embed([[3, 4, 5]]), 2.5) for _ in range(3)]
+        await engine.stop()
+        return results
+
+    results = run(main())
+    assert [len(b) for b in runner.batches[1:]] == [1, 1, 1]
+    assert all(r.queue_seconds < 2.5 for r in results)
+
+
+def test_closed_loop_clients_share_one_batch_and_do_not_wait_for_more(runner, tokenizer):
+    async def main():
+        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
+
+        async def client(i, n):  # each sends its next request when the last one is answered
+            for j in range(n):
+                await engine.embed([[10 + i, 20 + j]])
+
+        runner.gate.clear()
+        clients = [asyncio.create_task(client(0, 4))]  # finds an idle engine: starts at once, alone
+        await asyncio.sleep(0.05)
+        clients += [asyncio.create_task(client(i, 3)) for i in (1, 2, 3)]  # arrive while it runs
+        await asyncio.sleep(0.05)
+        runner.gate.set()
+        await asyncio.wait_for(asyncio.gather(*clients), 2.5)
+        await engine.stop()
+
+    run(main())
+    # four requests have been in flight at once, so the next batches wait for all four clients (not for
+    # the 5 s, and never settling into a batch of three and a batch of one that take turns)
+    assert [len(b) for b in runner.batches[1:]] == [1, 4, 4, 4]
+
+
 def test_short_queries_overtake_a_long_bulk_request(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer, max_num_batched_tokens=32, max_num_seqs=1)

@@ -119,7 +119,8 @@ class EngineConfig:
     batch_wait_seconds: float = 0.01
     """Before starting a batch that is not full (or a long window alone), wait up to this long for more
     requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),
-    so two queries run together cost little more than one, and closed-loop clients stop alternating."""
+    so two queries run together cost little more than one, and closed-loop clients stop alternating.
+    The engine ends the wait early once the requests it expects have arrived (see AsyncEngine._gather)."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
     compile_kernels: bool = False

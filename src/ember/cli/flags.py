@@ -87,7 +87,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="wait this long for a batch to fill (0: never)")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=10.0, help="most a batch waits for more requests to join it (0: never)"
+    )
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
     p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
     p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")

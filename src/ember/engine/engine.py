@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 _INLINE_TOKENIZE_CHARS = 2048
 """Requests up to this many characters (or token ids) are tokenised on the event loop itself."""
+
+_CONCURRENCY_MEMORY_SECONDS = 1.0
+"""How long a peak of requests in flight sets how many requests a batch waits for."""
+
+_SETTLE_SECONDS = 0.002
+"""On an engine that was idle, a batch starts once no request arrived for this long (a burst has landed)."""
 
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
@@ -68,7 +75,8 @@ class _Request:
     token_counts: list[int]  # per input, the tokens reported in usage
     future: asyncio.Future[None]
     arrival: float
-    pending: int
+    pending: int  # windows not yet computed
+    in_heap: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
     inference_seconds: float = 0.0
@@ -112,6 +120,8 @@ class AsyncEngine:
         """eager, compiling, compiled or failed (then it stays eager): see EngineConfig.compile_kernels."""
         self._heap: list[_Item] = []
         self._heap_tokens = 0
+        self._waiting = 0  # requests with windows in the queue
+        self._peaks: deque[tuple[float, int]] = deque()  # (time, requests in flight), counts decreasing
         self._counter = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -237,11 +247,16 @@ class AsyncEngine:
             raise self._overloaded()
         self.queued_requests += 1
         self.queued_tokens += request.tokens
+        while self._peaks and self._peaks[-1][1] <= self.queued_requests:
+            self._peaks.pop()
+        self._peaks.append((now, self.queued_requests))
         deadline = now + request.tokens * self.seconds_per_token
         for i, ws in enumerate(windows):
             for j, ids in enumerate(ws):
                 heapq.heappush(self._heap, _Item(deadline, next(self._counter), request, (i, j), ids))
                 self._heap_tokens += len(ids)
+        request.in_heap = pending
+        self._waiting += pending > 0
         assert self._wakeup is not None
         self._wakeup.set()
         return request
@@ -279,23 +294,46 @@ class AsyncEngine:
     def _pop(self) -> _Item:
         item = heapq.heappop(self._heap)
         self._heap_tokens -= len(item.ids)
+        item.request.in_heap -= 1
+        if item.request.in_heap == 0:
+            self._waiting -= 1
         return item
 
     async def _gather(self) -> None:
-        """Wait briefly for more work unless a full batch of ordinary items is already queued."""
+        """Wait briefly (up to batch_wait_seconds) for more requests to join the batch about to start.
+
+        A window longer than the token budget waits the whole time, so that queries arriving meanwhile
+        overtake it. Otherwise the wait ends once the queue holds a full budget, or as many requests as were
+        in flight at once in the last second: closed-loop clients whose answers just went out come back and
+        share one forward (rather than settling into halves that alternate). On an engine that was idle (or
+        serves one client) it ends once no request arrived for 2 ms: a burst lands in one batch, and a lone
+        request does not pay the whole wait."""
         assert self._wakeup is not None
         budget = self.config.max_num_batched_tokens
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.batch_wait_seconds
-        while self._heap and (self._heap_tokens < budget or len(self._heap[0].ids) > budget):
+        expected = self._recent_concurrency()
+        while self._heap:
+            ordinary = len(self._heap[0].ids) <= budget
+            if ordinary and (self._heap_tokens >= budget or 1 < expected <= self._waiting):
+                return
             left = deadline - loop.time()
             if left <= 0:
                 return
+            if ordinary and expected == 1:  # idle until now: wait only while requests keep landing
+                left = min(left, _SETTLE_SECONDS)
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), left)
             except TimeoutError:
                 return
+
+    def _recent_concurrency(self) -> int:
+        """The most requests in flight at once in the last second (at least 1)."""
+        now = time.monotonic()
+        while self._peaks and now - self._peaks[0][0] > _CONCURRENCY_MEMORY_SECONDS:
+            self._peaks.popleft()
+        return max(1, self._peaks[0][1]) if self._peaks else 1
 
     async def _run(self) -> None:
         assert self._wakeup is not None
