@@ -12,11 +12,13 @@
 //   - exp as 2^x: one FMA into base 2, a degree-5 polynomial and a scalef; the running max is raised
 //     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows.
 //   - blocks sized to the batch: 32 x 32 for short sequences (a query of 20 tokens computes 1/4 of a
-//     64 x 64 block's work), 64 x 64, and 64 x 128 keys for long ones.
+//     64 x 64 block's work), 64 x 64, and 64 x 128 keys for long ones; a partly empty key block (the
+//     end of a sequence, or the diagonal) is computed only up to the next multiple of 32 keys, and the
+//     first block's P V writes the output rows instead of adding to zeros.
 // One parallel region per call: the threads first pack K and V of the whole batch (into a buffer freed
 // on return), then take work items (sequence, kv head, query block: the query heads sharing a kv head
-// go together) from one atomic counter, longest sequences first, so they stay balanced under the
-// causal triangle.
+// go together) from one atomic counter, a few at a time, longest sequences first, so they stay
+// balanced under the causal triangle.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -104,10 +106,9 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, cons
 // when a block's max exceeds it by more than 8 (so p <= 256, exact enough in fp32 sums and bf16).
 // Returns the factor (2^(old ref - new ref), 1 when unchanged) that earlier sums and outputs need,
 // and adds this row's p to `sum` after scaling it by that factor.
-template <int N>
-inline float softmax_row(const float* s, bf16* p, float c, float& ref, float& sum) {
+inline float softmax_row(const float* s, bf16* p, int64_t n, float c, float& ref, float& sum) {
   __m512 m0 = _mm512_loadu_ps(s), m1 = _mm512_loadu_ps(s + 16);
-  for (int j = 32; j < N; j += 32) {
+  for (int64_t j = 32; j < n; j += 32) {
     m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
     m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
   }
@@ -123,7 +124,7 @@ inline float softmax_row(const float* s, bf16* p, float c, float& ref, float& su
                c3 = _mm512_set1_ps(0.0555041087f), c4 = _mm512_set1_ps(0.0096181291f),
                c5 = _mm512_set1_ps(0.0013333558f);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int j = 0; j < N; j += 32) {
+  for (int64_t j = 0; j < n; j += 32) {
     // t <= 8; masked scores are -inf and clamp to 2^-126, far below what bf16 sums can see
     __m512 t0 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vc, off), lo);
     __m512 t1 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), vc, off), lo);
@@ -260,19 +261,27 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
 
   const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal);
   const int64_t nitems = items.size(), rows_all = group * BM;
+  // claimed a few at a time: one atomic per item costs as much as a short item
+  const int64_t chunk = std::max<int64_t>(1, nitems / (8 * at::get_num_threads()));
+  const int64_t pack_chunk = std::max<int64_t>(1, npack / (4 * at::get_num_threads()));
   const float c = scale * kLog2e;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   // One parallel region: the threads pack every key block, wait for each other, then take work items.
-  std::atomic<int64_t> next_pack{0}, packed_count{0}, next{0};
+  // each counter on a cache line of its own (the threads spin on packed_count while the others claim)
+  alignas(64) std::atomic<int64_t> next_pack{0};
+  alignas(64) std::atomic<int64_t> packed_count{0};
+  alignas(64) std::atomic<int64_t> next{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     int64_t done = 0;
-    for (int64_t i; (i = next_pack.fetch_add(1, std::memory_order_relaxed)) < npack; ++done) {
-      const int64_t b = i / hkv, g = i % hkv;
-      const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
-      const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
-      pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
-                  vpack + i * block);
+    for (int64_t from; (from = next_pack.fetch_add(pack_chunk, std::memory_order_relaxed)) < npack;) {
+      for (int64_t i = from; i < std::min(npack, from + pack_chunk); ++i, ++done) {
+        const int64_t b = i / hkv, g = i % hkv;
+        const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+        const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
+        pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
+                    vpack + i * block);
+      }
     }
     packed_count.fetch_add(done, std::memory_order_release);
     while (packed_count.load(std::memory_order_acquire) < npack) _mm_pause();
@@ -280,37 +289,43 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
     Scratch& w = t_scratch;
     w.resize(rows_all, BN, d);
     load_tile_config();
-    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < nitems;) {
-      const Item& item = items[it];
-      const int64_t s = item.seq, g = item.head, len = cu[s + 1] - cu[s];
-      const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
-      // row x = head (g * group + x / BM), token m0 + x % BM
-      for (int64_t x = 0; x < rows_all; ++x) {
-        const int64_t h = g * group + x / BM, r = x % BM;
-        if (r < rows) std::memcpy(w.qbuf.data() + x * d, q + (cu[s] + m0 + r) * sq + h * d, d * sizeof(bf16));
-        else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
-        w.row_max[x] = kNegInf;
-        w.row_sum[x] = 0.f;
-      }
-      std::fill(w.acc.begin(), w.acc.end(), 0.f);
-      for (int64_t b = 0; b < item.kvblocks; ++b) {
-        const int64_t i = (first[s] + b) * hkv + g, n0 = b * BN;
-        tile_gemm<false>(rows_all, BN, d, w.qbuf.data(), d, kpack + i * block, BN, w.scores.data(), BN);
-        const int64_t cols = std::min<int64_t>(BN, len - n0);
+    for (int64_t start; (start = next.fetch_add(chunk, std::memory_order_relaxed)) < nitems;) {
+      for (int64_t it = start; it < std::min(nitems, start + chunk); ++it) {
+        const Item& item = items[it];
+        const int64_t s = item.seq, g = item.head, len = cu[s + 1] - cu[s];
+        const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
+        // row x = head (g * group + x / BM), token m0 + x % BM
         for (int64_t x = 0; x < rows_all; ++x) {
-          const int64_t r = x % BM;
-          if (r >= rows) continue;
-          float* srow = w.scores.data() + x * BN;
-          const int64_t keep = causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
-          for (int64_t c = std::max<int64_t>(keep, 0); c < BN; ++c) srow[c] = kNegInf;
-          const float factor = softmax_row<BN>(srow, w.probs.data() + x * BN, c, w.row_max[x], w.row_sum[x]);
-          if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
+          const int64_t h = g * group + x / BM, r = x % BM;
+          if (r < rows) std::memcpy(w.qbuf.data() + x * d, q + (cu[s] + m0 + r) * sq + h * d, d * sizeof(bf16));
+          else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
+          w.row_max[x] = kNegInf;
+          w.row_sum[x] = 0.f;
         }
-        tile_gemm<true>(rows_all, d, BN, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
-      }
-      for (int64_t x = 0; x < rows_all; ++x) {
-        const int64_t h = g * group + x / BM, r = x % BM;
-        if (r < rows) store_row(w.acc.data() + x * d, out + ((cu[s] + m0 + r) * hq + h) * d, d, 1.f / w.row_sum[x]);
+        for (int64_t b = 0; b < item.kvblocks; ++b) {
+          const int64_t i = (first[s] + b) * hkv + g, n0 = b * BN;
+          // keys this block holds for these rows (the last block of a sequence or of a causal row range
+          // is partly empty): both products and the softmax stop at the next multiple of 32
+          const int64_t cols = std::min<int64_t>(BN, len - n0);
+          const int64_t need = causal ? std::min<int64_t>(cols, m0 + rows - n0) : cols;
+          const int64_t n = (need + 31) / 32 * 32;
+          tile_gemm<false>(rows_all, n, d, w.qbuf.data(), d, kpack + i * block, BN, w.scores.data(), BN);
+          for (int64_t x = 0; x < rows_all; ++x) {
+            const int64_t r = x % BM;
+            if (r >= rows) continue;
+            float* srow = w.scores.data() + x * BN;
+            const int64_t keep = causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
+            for (int64_t c = std::max<int64_t>(keep, 0); c < n; ++c) srow[c] = kNegInf;
+            const float factor = softmax_row(srow, w.probs.data() + x * BN, n, c, w.row_max[x], w.row_sum[x]);
+            if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
+          }
+          if (b == 0) tile_gemm<false>(rows_all, d, n, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
+          else tile_gemm<true>(rows_all, d, n, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
+        }
+        for (int64_t x = 0; x < rows_all; ++x) {
+          const int64_t h = g * group + x / BM, r = x % BM;
+          if (r < rows) store_row(w.acc.data() + x * d, out + ((cu[s] + m0 + r) * hq + h) * d, d, 1.f / w.row_sum[x]);
+        }
       }
     }
     _tile_release();
