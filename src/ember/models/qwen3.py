@@ -113,24 +113,20 @@ class Block(nn.Module):
         qkv = by_token_slices(self._project, x, cos, sin)  # (T, Hq + 2 Hkv, D)
         y = self.self_attn.attend(qkv, seqlens)  # (T, Hq * D)
         del qkv
-        x = by_token_slices(self._out_residual, x, y)
-        return by_token_slices(self._mlp_residual, x)
+        return by_token_slices(self._out_mlp, x, y)
 
-    # With int8 weights each per-token stretch around a GEMM is compiled as one region, so the
-    # activations' quantisation and rescaling fuse into the norms, the q/k norm + rotary and SwiGLU
-    # around the int8 GEMMs. (In bf16 an A/B against the per-function fused kernels was
-    # inconclusive, so bf16 keeps those.)
+    # With int8 weights each per-token stretch between attentions is compiled as one region, so the
+    # activations' quantisation and rescaling fuse into the norms, the residual adds, the q/k norm +
+    # rotary and SwiGLU around the int8 GEMMs. (In bf16 an A/B against the per-function fused kernels
+    # was inconclusive, so bf16 keeps those.)
     @Fused.region(when=_holds_int8)
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
         return self.self_attn.norm_rope(qkv, cos, sin)
 
     @Fused.region(when=_holds_int8)
-    def _out_residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x + self.self_attn.o_proj(y)
-
-    @Fused.region(when=_holds_int8)
-    def _mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+    def _out_mlp(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.o_proj(y)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
