@@ -41,7 +41,7 @@ _CONCURRENCY_MEMORY_SECONDS = 1.0
 """How long a peak of requests in flight sets how many requests a batch waits for."""
 
 _SETTLE_SECONDS = 0.002
-"""On an engine that was idle, a batch starts once no request arrived for this long (a burst has landed)."""
+"""On an idle engine, a batch starts once no request arrived for this long (a burst has landed)."""
 
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
@@ -122,6 +122,7 @@ class AsyncEngine:
         self._heap_tokens = 0
         self._waiting = 0  # requests with windows in the queue
         self._peaks: deque[tuple[float, int]] = deque()  # (time, requests in flight), counts decreasing
+        self._last_batch_end = -float("inf")
         self._counter = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -305,22 +306,23 @@ class AsyncEngine:
         A window longer than the token budget waits the whole time, so that queries arriving meanwhile
         overtake it. Otherwise the wait ends once the queue holds a full budget, or as many requests as were
         in flight at once in the last second: closed-loop clients whose answers just went out come back and
-        share one forward (rather than settling into halves that alternate). On an engine that was idle (or
-        serves one client) it ends once no request arrived for 2 ms: a burst lands in one batch, and a lone
-        request does not pay the whole wait."""
+        share one forward (rather than settling into halves that alternate), and a lone client's request
+        starts at once. On an engine that ran nothing in the last second it ends once no request arrived
+        for 2 ms, so a burst lands in one batch."""
         assert self._wakeup is not None
         budget = self.config.max_num_batched_tokens
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.batch_wait_seconds
+        idle = time.monotonic() - self._last_batch_end > _CONCURRENCY_MEMORY_SECONDS
         expected = self._recent_concurrency()
         while self._heap:
             ordinary = len(self._heap[0].ids) <= budget
-            if ordinary and (self._heap_tokens >= budget or 1 < expected <= self._waiting):
+            if ordinary and (self._heap_tokens >= budget or (not idle and self._waiting >= expected)):
                 return
             left = deadline - loop.time()
             if left <= 0:
                 return
-            if ordinary and expected == 1:  # idle until now: wait only while requests keep landing
+            if ordinary and idle:  # wait only while requests keep landing
                 left = min(left, _SETTLE_SECONDS)
             self._wakeup.clear()
             try:
@@ -366,7 +368,8 @@ class AsyncEngine:
             return
         finally:
             self.running_seqs = self.running_tokens = 0
-        seconds = time.monotonic() - start
+        self._last_batch_end = time.monotonic()
+        seconds = self._last_batch_end - start
         tokens = sum(len(it.ids) for it in batch)
         self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / tokens
         if self.observer is not None:
