@@ -101,7 +101,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, cons
   }
 }
 
-// Scores -> bf16 probabilities for one row of N, in base 2: p = 2^(s * c - ref), c = scale * log2 e.
+// Scores -> bf16 probabilities for one row of n (a multiple of 32), in base 2: p = 2^(s * c - ref), c = scale * log2 e.
 // `ref` (in/out) is the row's running reference: the largest scaled score seen, raised lazily: only
 // when a block's max exceeds it by more than 8 (so p <= 256, exact enough in fp32 sums and bf16).
 // Returns the factor (2^(old ref - new ref), 1 when unchanged) that earlier sums and outputs need,
