@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ember.config import EngineConfig, PoolerConfig
+from ember.engine import engine as engine_module
 from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.errors import EngineDeadError, OverloadedError, ShuttingDownError
 
@@ -68,6 +69,23 @@ def test_a_lone_client_does_not_pay_the_batch_wait(runner, tokenizer):
     results = run(main())
     assert [len(b) for b in runner.batches[1:]] == [1, 1, 1]
     assert all(r.queue_seconds < 2.5 for r in results)
+
+
+def test_a_burst_on_an_idle_engine_lands_in_one_batch(runner, tokenizer, monkeypatch):
+    monkeypatch.setattr(engine_module, "_SETTLE_SECONDS", 0.2)  # wide, so a slow CI machine keeps the spacing
+
+    async def main():
+        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
+
+        async def client(i):  # four requests landing 20 ms apart on an engine that ran nothing yet
+            await asyncio.sleep(0.02 * i)
+            return await engine.embed([[30 + i, 2]])
+
+        await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(4))), 2.5)
+        await engine.stop()
+
+    run(main())
+    assert [len(b) for b in runner.batches[1:]] == [4]  # not the first alone, and not after the 5 s
 
 
 def test_closed_loop_clients_share_one_batch_and_do_not_wait_for_more(runner, tokenizer):
