@@ -335,7 +335,7 @@ class AsyncEngine:
         now = time.monotonic()
         while self._peaks and now - self._peaks[0][0] > _CONCURRENCY_MEMORY_SECONDS:
             self._peaks.popleft()
-        return max(1, self._peaks[0][1]) if self._peaks else 1
+        return self._peaks[0][1] if self._peaks else 1  # a peak counts the request that made it: >= 1
 
     async def _run(self) -> None:
         assert self._wakeup is not None

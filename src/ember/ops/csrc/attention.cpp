@@ -246,88 +246,108 @@ std::vector<Item> work_items(const int64_t* cu, const std::vector<int64_t>& firs
   return items;
 }
 
+// What one call's work items share: the batch, its packed keys and values, and the head shape.
+struct Call {
+  const bf16* q;
+  bf16* out;
+  const int64_t* cu;     // sequence offsets
+  const int64_t* first;  // first key block of each sequence
+  const bf16 *kpack, *vpack;
+  int64_t hq, hkv, group, d, sq, block;  // block: elements of one packed key (or value) block
+  bool causal;
+  float c;  // scale * log2 e
+};
+
+// Claims [from, from + chunk) of n items from `next` until none are left; fn(i) for each.
+template <typename Fn>
+void for_each_claimed(std::atomic<int64_t>& next, int64_t n, int64_t chunk, Fn fn) {
+  for (int64_t from; (from = next.fetch_add(chunk, std::memory_order_relaxed)) < n;)
+    for (int64_t i = from; i < std::min(n, from + chunk); ++i) fn(i);
+}
+
+// One work item: a query block of one sequence, for the query heads sharing one kv head.
+template <int BM, int BN>
+void attend_item(const Call& a, const Item& item, Scratch& w) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t d = a.d, rows_all = a.group * BM;
+  const int64_t s = item.seq, g = item.head, len = a.cu[s + 1] - a.cu[s];
+  const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
+  // row x = head (g * group + x / BM), token m0 + x % BM
+  for (int64_t x = 0; x < rows_all; ++x) {
+    const int64_t h = g * a.group + x / BM, r = x % BM;
+    if (r < rows) std::memcpy(w.qbuf.data() + x * d, a.q + (a.cu[s] + m0 + r) * a.sq + h * d, d * sizeof(bf16));
+    else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
+    w.row_max[x] = kNegInf;
+    w.row_sum[x] = 0.f;
+  }
+  for (int64_t b = 0; b < item.kvblocks; ++b) {
+    const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
+    // keys this block holds for these rows (the last block of a sequence or of a causal row range
+    // is partly empty): both products and the softmax stop at the next multiple of 32
+    const int64_t cols = std::min<int64_t>(BN, len - n0);
+    const int64_t need = a.causal ? std::min<int64_t>(cols, m0 + rows - n0) : cols;
+    const int64_t n = (need + 31) / 32 * 32;
+    tile_gemm<false>(rows_all, n, d, w.qbuf.data(), d, a.kpack + i * a.block, BN, w.scores.data(), BN);
+    for (int64_t x = 0; x < rows_all; ++x) {
+      const int64_t r = x % BM;
+      if (r >= rows) continue;
+      float* srow = w.scores.data() + x * BN;
+      const int64_t keep = a.causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
+      for (int64_t j = std::max<int64_t>(keep, 0); j < n; ++j) srow[j] = kNegInf;
+      const float factor = softmax_row(srow, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum[x]);
+      if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
+    }
+    const bf16* vb = a.vpack + i * a.block;
+    if (b == 0) tile_gemm<false>(rows_all, d, n, w.probs.data(), BN, vb, d, w.acc.data(), d);  // writes the rows
+    else tile_gemm<true>(rows_all, d, n, w.probs.data(), BN, vb, d, w.acc.data(), d);
+  }
+  for (int64_t x = 0; x < rows_all; ++x) {
+    const int64_t h = g * a.group + x / BM, r = x % BM;
+    if (r < rows) store_row(w.acc.data() + x * d, a.out + ((a.cu[s] + m0 + r) * a.hq + h) * d, d, 1.f / w.row_sum[x]);
+  }
+}
+
 // BM query rows per block, BN keys per block (multiples of 32).
 template <int BM, int BN>
 void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq, int64_t hq,
             int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, float scale) {
-  const int64_t group = hq / hkv, block = BN * d;
+  const int64_t block = BN * d;
   std::vector<int64_t> first(nseq + 1, 0);  // first key block of each sequence
   for (int64_t s = 0; s < nseq; ++s) first[s + 1] = first[s] + (cu[s + 1] - cu[s] + BN - 1) / BN;
-  const int64_t nblocks = first[nseq], npack = nblocks * hkv;
+  const int64_t npack = first[nseq] * hkv;
   // K and V of the whole batch, packed (as large as k and v; freed on return)
   std::unique_ptr<bf16[]> packed(new bf16[2 * npack * block]);
   bf16* kpack = packed.get();
   bf16* vpack = kpack + npack * block;
+  const Call call{q, out, cu, first.data(), kpack, vpack, hq, hkv, hq / hkv, d, sq, block, causal, scale * kLog2e};
 
   const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal);
-  const int64_t nitems = items.size(), rows_all = group * BM;
-  // claimed a few at a time: one atomic per item costs as much as a short item
-  const int64_t chunk = std::max<int64_t>(1, nitems / (8 * at::get_num_threads()));
-  const int64_t pack_chunk = std::max<int64_t>(1, npack / (4 * at::get_num_threads()));
-  const float c = scale * kLog2e;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // One parallel region: the threads pack every key block, wait for each other, then take work items.
-  // each counter on a cache line of its own (the threads spin on packed_count while the others claim)
+  const int64_t nitems = items.size(), threads = at::get_num_threads();
+  // One parallel region: the threads pack every key block, wait for each other, then take work items,
+  // a few at a time (one atomic per item costs as much as a short item). Each counter has a cache line
+  // of its own: the threads spin on packed_count while the others claim.
   alignas(64) std::atomic<int64_t> next_pack{0};
   alignas(64) std::atomic<int64_t> packed_count{0};
   alignas(64) std::atomic<int64_t> next{0};
 
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     int64_t done = 0;
-    for (int64_t from; (from = next_pack.fetch_add(pack_chunk, std::memory_order_relaxed)) < npack;) {
-      for (int64_t i = from; i < std::min(npack, from + pack_chunk); ++i, ++done) {
-        const int64_t b = i / hkv, g = i % hkv;
-        const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
-        const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
-        pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
-                    vpack + i * block);
-      }
-    }
+    for_each_claimed(next_pack, npack, std::max<int64_t>(1, npack / (4 * threads)), [&](int64_t i) {
+      const int64_t b = i / hkv, g = i % hkv;
+      const int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+      const int64_t start = cu[s] + (b - first[s]) * BN, rows = std::min<int64_t>(BN, cu[s + 1] - start);
+      pack_kv<BN>(k + start * sk + g * d, v + start * sv + g * d, sk, sv, rows, d, kpack + i * block,
+                  vpack + i * block);
+      ++done;
+    });
     packed_count.fetch_add(done, std::memory_order_release);
     while (packed_count.load(std::memory_order_acquire) < npack) _mm_pause();
 
     Scratch& w = t_scratch;
-    w.resize(rows_all, BN, d);
+    w.resize(call.group * BM, BN, d);
     load_tile_config();
-    for (int64_t start; (start = next.fetch_add(chunk, std::memory_order_relaxed)) < nitems;) {
-      for (int64_t it = start; it < std::min(nitems, start + chunk); ++it) {
-        const Item& item = items[it];
-        const int64_t s = item.seq, g = item.head, len = cu[s + 1] - cu[s];
-        const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
-        // row x = head (g * group + x / BM), token m0 + x % BM
-        for (int64_t x = 0; x < rows_all; ++x) {
-          const int64_t h = g * group + x / BM, r = x % BM;
-          if (r < rows) std::memcpy(w.qbuf.data() + x * d, q + (cu[s] + m0 + r) * sq + h * d, d * sizeof(bf16));
-          else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
-          w.row_max[x] = kNegInf;
-          w.row_sum[x] = 0.f;
-        }
-        for (int64_t b = 0; b < item.kvblocks; ++b) {
-          const int64_t i = (first[s] + b) * hkv + g, n0 = b * BN;
-          // keys this block holds for these rows (the last block of a sequence or of a causal row range
-          // is partly empty): both products and the softmax stop at the next multiple of 32
-          const int64_t cols = std::min<int64_t>(BN, len - n0);
-          const int64_t need = causal ? std::min<int64_t>(cols, m0 + rows - n0) : cols;
-          const int64_t n = (need + 31) / 32 * 32;
-          tile_gemm<false>(rows_all, n, d, w.qbuf.data(), d, kpack + i * block, BN, w.scores.data(), BN);
-          for (int64_t x = 0; x < rows_all; ++x) {
-            const int64_t r = x % BM;
-            if (r >= rows) continue;
-            float* srow = w.scores.data() + x * BN;
-            const int64_t keep = causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
-            for (int64_t c = std::max<int64_t>(keep, 0); c < n; ++c) srow[c] = kNegInf;
-            const float factor = softmax_row(srow, w.probs.data() + x * BN, n, c, w.row_max[x], w.row_sum[x]);
-            if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
-          }
-          if (b == 0) tile_gemm<false>(rows_all, d, n, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
-          else tile_gemm<true>(rows_all, d, n, w.probs.data(), BN, vpack + i * block, d, w.acc.data(), d);
-        }
-        for (int64_t x = 0; x < rows_all; ++x) {
-          const int64_t h = g * group + x / BM, r = x % BM;
-          if (r < rows) store_row(w.acc.data() + x * d, out + ((cu[s] + m0 + r) * hq + h) * d, d, 1.f / w.row_sum[x]);
-        }
-      }
-    }
+    for_each_claimed(next, nitems, std::max<int64_t>(1, nitems / (8 * threads)),
+                     [&](int64_t i) { attend_item<BM, BN>(call, items[i], w); });
     _tile_release();
   });
 }
