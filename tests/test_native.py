@@ -15,7 +15,7 @@ from ember.ops.attention import varlen_attention
 
 @pytest.fixture(scope="module")
 def kernel() -> ctypes.CDLL:
-    lib = native.build_attention()
+    lib = native.build_kernels().get("attention")
     if lib is None:
         pytest.skip("the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AMX bf16)")
     return lib
@@ -81,7 +81,7 @@ def test_a_sequence_alone_equals_it_inside_a_batch(kernel: ctypes.CDLL) -> None:
 
 
 def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_kernel", kernel)
+    monkeypatch.setitem(native._loaded, "attention", kernel)
     for seqlens in ([150, 30], [20, 9]):
         q, k, v = _packed(seqlens, 16, 8, 128, seed=2)
         assert torch.equal(
@@ -93,6 +93,6 @@ def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pyt
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_NATIVE_ATTENTION", "0")
-    assert not native.native_attention_enabled()
+    assert not native.native_enabled("EMBER_NATIVE_ATTENTION")
     monkeypatch.setenv("EMBER_NATIVE_ATTENTION", "1")
-    assert native.native_attention_enabled()
+    assert native.native_enabled("EMBER_NATIVE_ATTENTION")

@@ -12,8 +12,18 @@ from ember import Embedder
 from ember.engine.build import int8_parameter_count
 from ember.ops import quant
 from ember.ops.fused import can_compile
-from ember.ops.quant import Int8Linear, onednn_int8
+from ember.ops.native import build_kernels
+from ember.ops.quant import Int8Linear, int8_gemm, onednn_int8, pack_tiles, use_native_int8
 from ember.testing import build_qwen3
+
+
+def _native_int8() -> bool:
+    return "int8_gemm" in build_kernels()
+
+
+needs_native = pytest.mark.skipif(
+    not _native_int8(), reason="ember's native int8 kernel cannot run here (it needs g++, x86-64 Linux, AMX int8)"
+)
 
 
 def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -26,18 +36,50 @@ def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return (xq @ wq.t()) * xs * ws + (0 if linear.bias is None else linear.bias.double())
 
 
-@pytest.mark.parametrize("backend", ["onednn", "int_mm"])
+@pytest.mark.parametrize("backend", ["onednn", "int_mm", "native"])
 def test_int8_linear_is_exact_integer_arithmetic(backend, monkeypatch):
     if backend == "onednn" and not onednn_int8():
         pytest.skip("this torch build has no oneDNN int8 matmul")
-    monkeypatch.setattr(quant, "onednn_int8", lambda: backend == "onednn")
+    if backend == "native" and not _native_int8():
+        pytest.skip("ember's native int8 kernel cannot run here")
+    monkeypatch.setattr(quant, "onednn_int8", lambda: backend != "int_mm")
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 80)
-    x = torch.randn(37, 96) * torch.linspace(0.01, 30, 37)[:, None]  # tokens of very different scales
+    linear = torch.nn.Linear(128, 96)
+    x = torch.randn(37, 128) * torch.linspace(0.01, 30, 37)[:, None]  # tokens of very different scales
     layer = Int8Linear(linear, torch.float32)
-    assert layer.onednn == (backend == "onednn")
+    if backend == "native":
+        assert use_native_int8(layer) == 1
+    assert layer.onednn == (backend != "int_mm") and (layer.qweight.dim() == 5) == (backend == "native")
     got, want = layer(x).double(), _exact(linear, x)
     assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # float32 rounding only
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 15, 16, 33, 100, 700])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (384, 1152), (1024, 160), (3072, 96)])
+def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
+    """Every tail of 16 tokens, inputs in chunks that fit L2 (700 x 3,072), both output dtypes."""
+    g = torch.Generator().manual_seed(tokens * k + n)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    x = torch.randint(-127, 128, (tokens, k), dtype=torch.int8, generator=g)
+    ws, xs = torch.rand(n, generator=g) / 100, torch.rand(tokens, 1, generator=g) / 10
+    want = (x.double() @ w.double().t()) * ws.double() * xs.double()
+    tiles = pack_tiles(w)
+    assert tiles.shape == (n // 16, k // 64, 16, 16, 4)
+    got = int8_gemm(x, tiles, ws, xs, torch.float32).double()
+    assert ((got - want).abs() / want.abs().amax()).max() < 1e-6
+    got = int8_gemm(x, tiles, ws, xs, torch.bfloat16).double()
+    assert ((got - want).abs() <= want.abs() / 128 + 1e-6).all()  # one bf16 rounding
+
+
+@needs_native
+def test_only_shapes_the_native_kernel_takes_move_to_it():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Linear(96, 128), torch.nn.Linear(128, 80))
+    quant.quantize_int8(model, torch.bfloat16, r"\d")
+    assert use_native_int8(model) == 1  # 96 inputs and 80 outputs stay on oneDNN
+    assert [m.qweight.dim() for m in model] == [5, 2, 2]
+    assert use_native_int8(model) == 0  # and moving twice is a no-op
+    assert model(torch.randn(3, 128, dtype=torch.bfloat16)).shape == (3, 80)
 
 
 def test_int8_weights_are_packed_for_onednn():
@@ -108,6 +150,8 @@ def test_qwen3_int8_compiled_regions_match_eager(qwen3_path):
     eager = Embedder(str(qwen3_path), dtype="bfloat16", quantization="int8", enforce_eager=True)
     fused = Embedder(str(qwen3_path), dtype="bfloat16", quantization="int8")
     assert fused._loaded.runner.compiled
+    layers = [m for m in fused._loaded.runner.model.modules() if isinstance(m, Int8Linear)]
+    assert all((m.qweight.dim() == 5) == _native_int8() for m in layers)  # on the native kernel where it runs
     texts = SENTENCES[:12]
     a, b = eager.embed(texts).vectors, fused.embed(texts).vectors
     # fused norms round differently, and an activation one ulp apart can land on the other side of

@@ -12,8 +12,9 @@ from torch import nn
 
 from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
-from ember.ops.native import build_attention
+from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
+from ember.ops.quant import use_native_int8
 from ember.types import ModelInfo
 
 __all__ = ["TorchRunner", "padded_tokens"]
@@ -47,9 +48,10 @@ class TorchRunner:
         return pooled.numpy()
 
     def compile(self) -> None:
-        """Builds ember's native attention (where it can run) and compiles the model's fused kernels with a
-        small forward on this thread; then every thread uses them."""
-        build_attention()
+        """Builds ember's native kernels (where they can run), moves int8 layers onto its int8 kernel, and
+        compiles the model's fused kernels with a small forward on this thread; then every thread uses them."""
+        build_kernels()
+        use_native_int8(self.model)
         with compiling():
             self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
         self.compiled = True

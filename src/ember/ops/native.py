@@ -1,12 +1,16 @@
-"""ember's one C++ kernel (csrc/attention.cpp): built on this machine at first use, cached, loaded with ctypes.
+"""ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
-It is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
+- attention.cpp: flash attention over packed sequences, bf16 (ember.ops.attention);
+- int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant).
+
+Each is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
 uses this CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`.
-The build (about 6 s) runs on the kernel-compiling thread beside serving; until it is loaded, and on
-any machine where it cannot be built or run (no compiler, no AMX, another OS), attention goes through
-torch's SDPA as before. The library is cached under $EMBER_CACHE_DIR (default ~/.cache/ember), keyed
-by the source, torch's version and the CPU's flags, so later starts load it in milliseconds.
-Set EMBER_NATIVE_ATTENTION=0 to never build or use it.
+The builds (about 6 s each) run on the kernel-compiling thread beside serving; until a kernel is
+loaded, and on any machine where it cannot be built or run (no compiler, no AMX, another OS), its
+callers use torch's own ops (SDPA; oneDNN's int8 matmul) as before. Libraries are cached under
+$EMBER_CACHE_DIR (default ~/.cache/ember), keyed by the source, torch's version and the CPU's flags,
+so later starts load them in milliseconds. EMBER_NATIVE_ATTENTION=0 / EMBER_NATIVE_INT8=0 switch
+each off.
 """
 
 from __future__ import annotations
@@ -20,61 +24,106 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ember.hardware import cpu_flags
 
-__all__ = ["attention_kernel", "build_attention", "native_attention_enabled"]
+__all__ = ["attention_kernel", "build_kernels", "int8_gemm_kernel", "native_enabled"]
 
 log = logging.getLogger("ember.native")
 
-_SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+
+
+def _attention_signature(lib: ctypes.CDLL) -> None:
+    lib.ember_attention.restype = ctypes.c_int
+    lib.ember_attention.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    )
+
+
+def _int8_gemm_signature(lib: ctypes.CDLL) -> None:
+    lib.ember_int8_gemm.restype = ctypes.c_int
+    lib.ember_int8_gemm.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    name: str  # csrc/<name>.cpp, and the exported ember_<name>_usable()
+    switch: str  # the environment variable that turns it off
+    needs: frozenset[str]  # CPU flags
+    signature: Callable[[ctypes.CDLL], None]
+
+
+_KERNELS = (
+    _Kernel("attention", "EMBER_NATIVE_ATTENTION", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}),
+            _attention_signature),
+    _Kernel("int8_gemm", "EMBER_NATIVE_INT8", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}),
+            _int8_gemm_signature),
+)  # fmt: skip
+
 _lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
+_loaded: dict[str, ctypes.CDLL] = {}
 _tried = False
 
 
-def native_attention_enabled() -> bool:
-    return os.environ.get("EMBER_NATIVE_ATTENTION", "1").strip().lower() not in ("0", "false", "no", "off")
+def native_enabled(switch: str) -> bool:
+    """Whether the kernel that environment variable `switch` governs may be built and used (default yes)."""
+    return os.environ.get(switch, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def attention_kernel() -> ctypes.CDLL | None:
-    """The loaded library, once `build_attention` has built it on this machine; else None."""
-    return _kernel
+    """The attention library, once `build_kernels` has built it on this machine; else None."""
+    return _loaded.get("attention")
 
 
-def build_attention() -> ctypes.CDLL | None:
-    """Builds (or loads from the cache) and checks the attention library; None where it cannot run.
+def int8_gemm_kernel() -> ctypes.CDLL | None:
+    """The int8 matrix-product library, once `build_kernels` has built it on this machine; else None."""
+    return _loaded.get("int8_gemm")
+
+
+def build_kernels() -> dict[str, ctypes.CDLL]:
+    """Builds (or loads from the cache) and checks every kernel this machine can run; returns them by name.
     Safe to call from several threads and more than once: the work is done once per process."""
-    global _kernel, _tried
+    global _tried
     with _lock:
-        if _tried:
-            return _kernel
-        _tried = True
-        if not native_attention_enabled() or platform.system() != "Linux" or platform.machine() != "x86_64":
-            return None
-        if not cpu_flags() >= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}:
-            log.info("native attention: this CPU has no AMX bf16; attention uses torch's SDPA")
-            return None
-        compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
-        if compiler is None:
-            return None
-        try:
-            lib = ctypes.CDLL(str(_library(compiler)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("native attention could not be built (%s); attention uses torch's SDPA", exc)
-            return None
-        lib.ember_attention.restype = ctypes.c_int
-        lib.ember_attention.argtypes = (
-            [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
-        )
-        if lib.ember_attention_usable() != 1:
-            log.info("native attention: the kernel may not use AMX tiles here; attention uses torch's SDPA")
-            return None
-        _kernel = lib
-        return lib
+        if not _tried:
+            _tried = True
+            for kernel in _KERNELS:
+                lib = _build(kernel)
+                if lib is not None:
+                    _loaded[kernel.name] = lib
+        return dict(_loaded)
+
+
+def _build(kernel: _Kernel) -> ctypes.CDLL | None:
+    fallback = "attention uses torch's SDPA" if kernel.name == "attention" else "int8 layers use oneDNN"
+    if not native_enabled(kernel.switch) or platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None
+    if not cpu_flags() >= kernel.needs:
+        log.info("native %s: this CPU lacks %s; %s", kernel.name, " ".join(sorted(kernel.needs - cpu_flags())),
+                 fallback)  # fmt: skip
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(_library(compiler, _CSRC / f"{kernel.name}.cpp")))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native %s could not be built (%s); %s", kernel.name, exc, fallback)
+        return None
+    kernel.signature(lib)
+    if getattr(lib, f"ember_{kernel.name}_usable")() != 1:
+        log.info("native %s: the kernel may not use AMX tiles here; %s", kernel.name, fallback)
+        return None
+    return lib
 
 
 def _cache_dir() -> Path:
@@ -84,18 +133,18 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _library(compiler: str) -> Path:
+def _library(compiler: str, source: Path) -> Path:
     """The built library for this source, torch and CPU: from the cache, else compiled into it."""
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256()
     for part in (
-        _SOURCE.read_bytes(),
+        source.read_bytes(),
         torch.__version__.encode(),
         compiler.encode(),
         " ".join(sorted(cpu_flags())).encode(),
     ):
         key.update(part)
-    out = _cache_dir() / f"ember_attention-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"ember_{source.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +154,7 @@ def _library(compiler: str) -> Path:
         tmp_out = Path(tmp) / out.name
         cmd = [
             compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-            *(f"-I{p}" for p in includes), str(_SOURCE), "-o", str(tmp_out),
+            *(f"-I{p}" for p in includes), str(source), "-o", str(tmp_out),
             f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -114,5 +163,5 @@ def _library(compiler: str) -> Path:
                 done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "g++ failed"
             )
         os.replace(tmp_out, out)  # atomic: a concurrent start sees the whole file or none
-    log.info("native attention built: %s", out)
+    log.info("native %s built: %s", source.stem, out)
     return out

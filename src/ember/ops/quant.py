@@ -1,10 +1,14 @@
 """int8 weights with per-token dynamic int8 activations, applied to a built model from outside.
 
 Weights are quantised once per output channel (symmetric), activations per token at run time
-(symmetric, scale = max|x| / 127 of each token). The int8 x int8 product runs in oneDNN's AMX/VNNI
-matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16 GEMM rate here);
-where that op is missing it falls back to `torch._int_mm`. The kernel applies the weight scales;
-the token scales (which oneDNN takes only per tensor) are applied after it.
+(symmetric, scale = max|x| / 127 of each token). The int8 x int8 product runs in one of:
+- ember's AMX kernel (csrc/int8_gemm.cpp), on weights in its tile layout, applying both scales on the
+  way out: once ember.ops.native has built it, `use_native_int8` repacks the layers for it (1.2-1.6x
+  oneDNN's matmul on a forward's GEMMs at 20-512 tokens, docs/benchmarks.md);
+- oneDNN's AMX/VNNI matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16
+  GEMM rate here), which applies the weight scales; the token scales (which oneDNN takes only per
+  tensor) are applied after it. Layers start here, and stay here where the native kernel cannot run;
+- `torch._int_mm`, where oneDNN's op is missing.
 
 Each step is a plain torch op, so inside a compiled region (ops.fused) the activation quantisation
 fuses into the norm before it and the rescale into whatever follows: run eagerly, those two
@@ -20,8 +24,18 @@ import torch
 from torch import nn
 
 from ember.ops.linear import replace_linears
+from ember.ops.native import int8_gemm_kernel
 
-__all__ = ["Int8Linear", "int8_mm", "int8_targets", "onednn_int8", "quantize_int8"]
+__all__ = [
+    "Int8Linear",
+    "int8_gemm",
+    "int8_mm",
+    "int8_targets",
+    "onednn_int8",
+    "pack_tiles",
+    "quantize_int8",
+    "use_native_int8",
+]
 
 
 @torch.library.custom_op("ember::int8_mm", mutates_args=())
@@ -37,6 +51,46 @@ def int8_mm(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_d
 @int8_mm.register_fake
 def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("ember::int8_gemm", mutates_args=())
+def int8_gemm(
+    xq: torch.Tensor, tiles: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(T, K) int8 @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales (N,)
+    and the tokens' (T, 1): (T, N) in out_dtype (bf16 or float32), rounded once."""
+    kernel = int8_gemm_kernel()
+    assert kernel is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
+    xq, x_scale = xq.contiguous(), x_scale.float().contiguous()
+    t, k = xq.shape
+    n = w_scale.shape[0]
+    out = torch.empty((t, n), dtype=out_dtype)
+    status = kernel.ember_int8_gemm(
+        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(), out.data_ptr(), n,
+        int(out_dtype == torch.float32),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"native int8 kernel refused (T, K, N) = {(t, k, n)}")
+    return out
+
+
+@int8_gemm.register_fake
+def _(
+    xq: torch.Tensor, tiles: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 weights -> the native kernel's layout [N/16][K/64][16][16][4]: a 1 KB AMX tile per
+    16 output channels x 64 inputs, each channel's 4 consecutive inputs side by side."""
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _fits_tiles(linear: Int8Linear) -> bool:
+    dtype_ok = linear.out_dtype in (torch.bfloat16, torch.float32)
+    return dtype_ok and linear.in_features % 64 == 0 and linear.out_features % 32 == 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,7 +120,7 @@ class Int8Linear(nn.Module):
         scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
         wq = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
         self.onednn = onednn_int8()
-        self.qweight: torch.Tensor  # oneDNN's packed layout, or (K, N) for torch._int_mm
+        self.qweight: torch.Tensor  # oneDNN's packed layout, (K, N) for torch._int_mm, or pack_tiles'
         self.scale: torch.Tensor
         self.bias: torch.Tensor | None
         self.register_buffer(
@@ -84,10 +138,14 @@ class Int8Linear(nn.Module):
         # times the reciprocal, not divided by xs: a vector division per element made the fused
         # quantising kernels compute-bound
         xq = (xf * (127.0 / amax)).round().clamp(-127, 127).to(torch.int8)
+        w = self.qweight  # read once: use_native_int8 may swap it from another thread
+        if w.dim() == 5:  # the native kernel's tiles
+            y = int8_gemm(xq, w, self.scale, xs, self.out_dtype)
+            return y if self.bias is None else (y.float() + self.bias).to(self.out_dtype)
         if self.onednn:
-            y = int8_mm(xq, self.qweight, self.scale, self.out_dtype).float()
+            y = int8_mm(xq, w, self.scale, self.out_dtype).float()
         else:
-            y = torch._int_mm(xq, self.qweight).float() * self.scale
+            y = torch._int_mm(xq, w).float() * self.scale
         y = y * xs
         if self.bias is not None:
             y = y + self.bias
@@ -104,3 +162,21 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str) -> int:
     """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many."""
     names = list(int8_targets(model, pattern))  # names only: each float matrix is freed once replaced
     return replace_linears(model, names, lambda linear: Int8Linear(linear, dtype))
+
+
+def use_native_int8(model: nn.Module) -> int:
+    """Once ember's native int8 kernel is built: move every Int8Linear of `model` whose shape it takes
+    (inputs a multiple of 64, outputs of 32) to it, repacking the weights layer by layer; returns how many.
+
+    Safe beside a forward on another thread: each layer's weights are swapped in one assignment, and a
+    forward reads them once (a layer runs on whichever kernel its weights are packed for)."""
+    if int8_gemm_kernel() is None:
+        return 0
+    moved = 0
+    for layer in model.modules():
+        if isinstance(layer, Int8Linear) and layer.qweight.dim() == 2 and _fits_tiles(layer):
+            w = layer.qweight
+            plain = w.to_dense() if w.is_mkldnn else w  # (K, N) either way
+            layer.qweight = pack_tiles(plain.t())
+            moved += 1
+    return moved

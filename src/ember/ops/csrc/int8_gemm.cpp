@@ -1,0 +1,157 @@
+// int8 x int8 matrix product for the int8 linear layers, on AMX tiles: out = (x @ w^T) * w_scale[n] * x_scale[m].
+//
+// Built and loaded like attention.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
+// x: (M, K) int8 activations, quantised per token; w: the (N, K) int8 weights packed once at load into
+// AMX's tile layout, [N/16][K/64][16][16][4]: one 1 KB tile per 16 output channels x 64 inputs, 4
+// consecutive inputs per channel side by side (what TDPBSSD reads as its B operand). The int32 sums
+// are scaled and rounded once, to bf16 or float32, on the way out.
+//
+// Why not oneDNN's int8 matmul (onednn::qlinear_pointwise, which ember used before): at the batch
+// sizes an embedding server runs, 20 to 2,048 tokens, it reached 0.5-2 of the 5-10 TOPS this kernel's
+// tiles can do, and applies only the weights' scales (the per-token rescale was another pass).
+// Here each thread takes a range of 32-channel blocks; per block it walks the tokens 32 at a time
+// (2 x 2 result tiles), its weights (32 KB at K = 1,024) staying in L1/L2 while the next block's are
+// prefetched into L2. Long batches run in chunks of tokens whose activations fit in L2.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_INT8__)
+#error "needs AVX-512 BF16 and AMX int8"
+#endif
+
+using bf16 = uint16_t;  // bfloat16 bits
+
+namespace {
+
+constexpr int64_t kTile = 1024;          // bytes per packed weight tile: 16 rows (of 4 inputs) x 16 channels x 4
+constexpr int64_t kChunkBytes = 256 << 10;  // activations per token chunk: a quarter of L2
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// Rows of a 16 x 32 int32 block (row stride 32) -> out, times the channels' and tokens' scales.
+template <typename Out>
+void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs, Out* out, int64_t ldo) {
+  const __m512 s0 = _mm512_loadu_ps(ws), s1 = _mm512_loadu_ps(ws + 16);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 t = _mm512_set1_ps(xs[r]);
+    const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32)), s0), t);
+    const __m512 b = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + 16)), s1), t);
+    if constexpr (sizeof(Out) == 2) {
+      _mm512_storeu_si512(out + r * ldo, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    } else {
+      _mm512_storeu_ps(out + r * ldo, a);
+      _mm512_storeu_ps(out + r * ldo + 16, b);
+    }
+  }
+}
+
+template <typename Out>
+void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
+          const float* xs, Out* out, int64_t ldo) {
+  const int64_t ksteps = K / 64, nblocks = N / 32, full = M / 16, mtiles = (M + 15) / 16;
+  // The last partial 16-token tile, zero padded, so every tile load reads 16 rows.
+  std::vector<int8_t> tail(full < mtiles ? 16 * K : 0, 0);
+  for (int64_t r = 0; full * 16 + r < M; ++r) std::memcpy(tail.data() + r * K, x + (full * 16 + r) * lda, K);
+  const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (16 * K) / 2 * 2);  // tiles of tokens, even
+
+  // Tokens 16 t.. at inputs 64 k..: rows of x, or the padded tail (the stride is set alongside).
+  auto a_tile = [&](int64_t t, int64_t k, int64_t& stride) -> const int8_t* {
+    stride = t < full ? lda : K;
+    return t < full ? x + t * 16 * lda + k * 64 : tail.data() + k * 64;
+  };
+  at::parallel_for(0, nblocks, 1, [&](int64_t nb0, int64_t nb1) {
+    load_tile_config();
+    alignas(64) int32_t c[16 * 32];
+    // The result tiles for tokens 16 t.. (already stored in c) -> out.
+    auto emit = [&](int64_t t, int64_t nb) {
+      store_rows(c, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16, out + t * 16 * ldo + nb * 32, ldo);
+    };
+    for (int64_t t0 = 0; t0 < mtiles; t0 += chunk) {
+      const int64_t t1 = std::min(mtiles, t0 + chunk);
+      const int64_t steps = (t1 - t0 + 1) / 2 * ksteps, lines = 2 * ksteps * kTile / 64;
+      const int64_t per_step = (lines + steps - 1) / steps;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const int8_t* b0 = w + 2 * nb * ksteps * kTile;  // channels 32 nb .. +15
+        const int8_t* b1 = b0 + ksteps * kTile;          // and the next 16
+        const char* next = nb + 1 < nb1 ? reinterpret_cast<const char*>(b1 + ksteps * kTile) : nullptr;
+        int64_t fetched = 0;
+        for (int64_t t = t0; t < t1; t += 2) {
+          const bool two = t + 1 < t1;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t k = 0; k < ksteps; ++k) {
+            int64_t sa;
+            const int8_t* a = a_tile(t, k, sa);
+            _tile_loadd(4, a, sa);
+            _tile_loadd(6, b0 + k * kTile, 64);
+            _tile_loadd(7, b1 + k * kTile, 64);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            if (next)
+              for (int64_t q = 0; q < per_step && fetched < lines; ++q, ++fetched)
+                _mm_prefetch(next + fetched * 64, _MM_HINT_T1);
+            if (two) {
+              a = a_tile(t + 1, k, sa);
+              _tile_loadd(5, a, sa);
+              _tile_dpbssd(2, 5, 6);
+              _tile_dpbssd(3, 5, 7);
+            }
+          }
+          _tile_stored(0, c, 128);
+          _tile_stored(1, c + 16, 128);
+          emit(t, nb);
+          if (two) {
+            _tile_stored(2, c, 128);
+            _tile_stored(3, c + 16, 128);
+            emit(t + 1, nb);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when the kernel can run here: Linux grants this process the AMX tile state.
+int ember_int8_gemm_usable() {
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : 0;
+}
+
+// out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m], where x is
+// (M, K) int8 with row stride lda, w the packed weights. Returns 0, or 1 for unsupported shapes
+// (K a multiple of 64 and N of 32 are needed).
+int ember_int8_gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
+                    const float* xs, void* out, int64_t ldo, int out_float) {
+  if (K % 64 != 0 || N % 32 != 0 || M < 1) return 1;
+  if (out_float)
+    gemm(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+  else
+    gemm(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
+  return 0;
+}
+
+}  // extern "C"
