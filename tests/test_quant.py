@@ -66,10 +66,42 @@ def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
     want = (x.double() @ w.double().t()) * ws.double() * xs.double()
     tiles = pack_tiles(w)
     assert tiles.shape == (n // 16, k // 64, 16, 16, 4)
-    got = int8_gemm(x, tiles, ws, xs, torch.float32).double()
+    got = int8_gemm(x, tiles, ws, xs, torch.float32, False).double()
     assert ((got - want).abs() / want.abs().amax()).max() < 1e-6
-    got = int8_gemm(x, tiles, ws, xs, torch.bfloat16).double()
+    got = int8_gemm(x, tiles, ws, xs, torch.bfloat16, False).double()
     assert ((got - want).abs() <= want.abs() / 128 + 1e-6).all()  # one bf16 rounding
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
+    """A SwiGLU layer's product with silu(gate) * up applied in the kernel, on gate/up interleaved tiles."""
+    g = torch.Generator().manual_seed(tokens)
+    k, i = 128, 96  # gate and up 96 wide each
+    w = torch.randint(-127, 128, (2 * i, k), dtype=torch.int8, generator=g)
+    x = torch.randint(-127, 128, (tokens, k), dtype=torch.int8, generator=g)
+    ws, xs = torch.rand(2 * i, generator=g) / 300, torch.rand(tokens, 1, generator=g) / 10
+    y = (x.double() @ w.double().t()) * ws.double() * xs.double()  # (T, 2 I): values up to ~10
+    want = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
+    tiles = pack_tiles(quant.interleave_glu(w))
+    got = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, torch.float32, True).double()
+    assert got.shape == (tokens, i)
+    assert ((got - want).abs() / want.abs().amax()).max() < 2e-4  # rcp14: 2^-14 relative
+    plain = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, torch.float32, False)
+    assert torch.allclose(quant._deinterleave_glu(plain).double(), y, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_an_int8_swiglu_layer_gives_the_same_on_either_kernel():
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(128, 192, bias=False)
+    x = torch.randn(21, 128)
+    onednn, native = Int8Linear(linear, torch.float32, glu=True), Int8Linear(linear, torch.float32, glu=True)
+    assert use_native_int8(native) == 1 and native.qweight.dim() == 5 and onednn.qweight.dim() == 2
+    assert torch.allclose(native(x), onednn(x), rtol=1e-5, atol=1e-5)  # columns back in [gate, up] order
+    want = torch.nn.functional.silu(onednn(x)[:, :96]) * onednn(x)[:, 96:]
+    assert torch.allclose(native.silu_mul(x), want, rtol=1e-3, atol=1e-4)
+    assert torch.allclose(onednn.silu_mul(x), want)
 
 
 @needs_native
@@ -135,6 +167,9 @@ def test_qwen3_int8_stays_close_and_quantises_every_linear_layer(qwen3_path):
     assert (a * q8.embed(SENTENCES[:20]).vectors).sum(1).min() >= 0.99
     modules = dict(q8._loaded.runner.model.named_modules())
     assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 4  # qkv o gate_up down
+    assert sorted(n for n, m in modules.items() if getattr(m, "glu", False)) == [
+        f"layers.{i}.mlp.gate_up_proj" for i in range(4)
+    ]
     assert not any(isinstance(m, torch.nn.Linear) for m in modules.values())
     n_int8 = sum(m.in_features * m.out_features for m in modules.values() if isinstance(m, Int8Linear))
     assert n_int8 == int8_parameter_count(_config(qwen3_path))  # the memory plan's count

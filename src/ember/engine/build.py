@@ -171,7 +171,7 @@ def load(
     net = _load_weights(cls, config, path, dt)
     release_mapped_pages(path)  # the pages of tensors the model copied (cast, merged) are dead
     if quantization == "int8":
-        quantize_int8(net, dt, cls.int8_layers)  # type: ignore[attr-defined]
+        quantize_int8(net, dt, cls.int8_layers, getattr(cls, "int8_glu_layers", None))  # type: ignore[attr-defined]
     if pack_linears(net, dt) or quantization:
         release_mapped_pages(path)  # and those of the matrices packed or made int8
     dense = [Dense.load(d) for d in st.dense_dirs]

@@ -15,7 +15,7 @@ from torch import nn
 
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
-from ember.ops.fused import Fused, qk_norm_rope, rms_norm, silu_mul
+from ember.ops.fused import Fused, qk_norm_rope, rms_norm, swiglu
 from ember.ops.quant import Int8Linear
 from ember.ops.rope import rope_cos_sin
 from ember.ops.tokenwise import by_token_slices
@@ -92,7 +92,7 @@ class MLP(nn.Module):
         self._register_load_state_dict_pre_hook(concat_hook("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_up_proj, x))
 
 
 def _holds_int8(block: Block) -> bool:
@@ -135,6 +135,7 @@ class Qwen3Model(nn.Module):
 
     is_decoder = True
     int8_layers = r"\.(mlp|self_attn)\.\w+_proj$"  # every linear layer, for --quantization int8
+    int8_glu_layers = r"\.mlp\.gate_up_proj$"  # of which SwiGLU's gate and up (Int8Linear's glu)
 
     def __init__(self, a: Qwen3Args) -> None:
         super().__init__()

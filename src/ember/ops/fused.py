@@ -28,6 +28,7 @@ __all__ = [
     "qk_norm_rope",
     "rms_norm",
     "silu_mul",
+    "swiglu",
 ]
 
 _local = threading.local()
@@ -162,3 +163,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up, on gate and up side by side in the last axis: (T, 2 I) -> (T, I)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of linear(x) (gate and up side by side): in the layer's own kernel where it has
+    one (an int8 layer's `silu_mul`, SwiGLU in its matrix product's epilogue), else silu_mul."""
+    own = getattr(linear, "silu_mul", None)
+    return own(x) if own is not None else silu_mul(linear(x))

@@ -23,6 +23,7 @@ import re
 import torch
 from torch import nn
 
+from ember.ops.fused import silu_mul
 from ember.ops.linear import replace_linears
 from ember.ops.native import int8_gemm_kernel
 
@@ -31,6 +32,7 @@ __all__ = [
     "int8_gemm",
     "int8_mm",
     "int8_targets",
+    "interleave_glu",
     "onednn_int8",
     "pack_tiles",
     "quantize_int8",
@@ -55,19 +57,26 @@ def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: 
 
 @torch.library.custom_op("ember::int8_gemm", mutates_args=())
 def int8_gemm(
-    xq: torch.Tensor, tiles: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    xq: torch.Tensor,
+    tiles: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    glu: bool,
 ) -> torch.Tensor:
     """(T, K) int8 @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales (N,)
-    and the tokens' (T, 1): (T, N) in out_dtype (bf16 or float32), rounded once."""
+    and the tokens' (T, 1): (T, N) in out_dtype (bf16 or float32), rounded once. With glu, for weights
+    whose gates and ups alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2)."""
     kernel = int8_gemm_kernel()
     assert kernel is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
     xq, x_scale = xq.contiguous(), x_scale.float().contiguous()
     t, k = xq.shape
     n = w_scale.shape[0]
-    out = torch.empty((t, n), dtype=out_dtype)
+    width = n // 2 if glu else n
+    out = torch.empty((t, width), dtype=out_dtype)
     status = kernel.ember_int8_gemm(
-        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(), out.data_ptr(), n,
-        int(out_dtype == torch.float32),
+        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(), out.data_ptr(), width,
+        int(out_dtype == torch.float32), int(glu),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"native int8 kernel refused (T, K, N) = {(t, k, n)}")
@@ -76,9 +85,14 @@ def int8_gemm(
 
 @int8_gemm.register_fake
 def _(
-    xq: torch.Tensor, tiles: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+    xq: torch.Tensor,
+    tiles: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    glu: bool,
 ) -> torch.Tensor:
-    return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
+    return xq.new_empty((xq.shape[0], w_scale.shape[0] // (2 if glu else 1)), dtype=out_dtype)
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -88,9 +102,22 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def interleave_glu(t: torch.Tensor) -> torch.Tensor:
+    """Rows (or entries) [gate; up] of a SwiGLU layer -> gates and ups alternating in blocks of 16."""
+    half = t.shape[0] // 2
+    return t.reshape(2, half // 16, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _deinterleave_glu(y: torch.Tensor) -> torch.Tensor:
+    """The columns of a product on interleave_glu's weights, back to [gate, up]: (T, 2 I)."""
+    t, n = y.shape
+    return y.view(t, n // 32, 2, 16).transpose(1, 2).reshape(t, n)
+
+
 def _fits_tiles(linear: Int8Linear) -> bool:
     dtype_ok = linear.out_dtype in (torch.bfloat16, torch.float32)
-    return dtype_ok and linear.in_features % 64 == 0 and linear.out_features % 32 == 0
+    width = 64 if linear.glu else 32  # a SwiGLU layer's gates and ups each fill whole blocks
+    return dtype_ok and linear.in_features % 64 == 0 and linear.out_features % width == 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,10 +138,23 @@ def onednn_int8() -> bool:
         return False
 
 
-class Int8Linear(nn.Module):
-    """A drop-in for nn.Linear holding int8 weights and float32 per-channel scales (N,)."""
+def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: (T, K) -> int8 (T, K) and float32 scales (T, 1)."""
+    xf = x.float()  # (T, K)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)  # (T, 1)
+    # times the reciprocal, not divided by the scale: a vector division per element made the fused
+    # quantising kernels compute-bound
+    xq = (xf * (127.0 / amax)).round().clamp(-127, 127).to(torch.int8)
+    return xq, amax / 127.0
 
-    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype) -> None:
+
+class Int8Linear(nn.Module):
+    """A drop-in for nn.Linear holding int8 weights and float32 per-channel scales (N,).
+
+    glu: the layer is a SwiGLU's gate and up projections side by side ([gate; up] rows, no bias);
+    `silu_mul(x)` then gives silu(gate) * up, in one kernel on the native path."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, glu: bool = False) -> None:
         super().__init__()
         w = linear.weight.detach().float()  # (N, K)
         scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
@@ -128,19 +168,18 @@ class Int8Linear(nn.Module):
         )
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.tile_scale: torch.Tensor | None = None  # the scales in the native tiles' channel order
         self.out_dtype = out_dtype
+        self.glu = glu and linear.bias is None
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # (T, K)
-        amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)  # (T, 1)
-        xs = amax / 127.0  # per-token scale
-        # times the reciprocal, not divided by xs: a vector division per element made the fused
-        # quantising kernels compute-bound
-        xq = (xf * (127.0 / amax)).round().clamp(-127, 127).to(torch.int8)
+        xq, xs = _quantize_tokens(x)
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
-        if w.dim() == 5:  # the native kernel's tiles
-            y = int8_gemm(xq, w, self.scale, xs, self.out_dtype)
+        if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them)
+            y = int8_gemm(xq, w, self.tile_scale, xs, self.out_dtype, False)
+            if self.glu:
+                return _deinterleave_glu(y)
             return y if self.bias is None else (y.float() + self.bias).to(self.out_dtype)
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
@@ -151,6 +190,14 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.to(self.out_dtype)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
+        w = self.qweight
+        if w.dim() == 5 and self.glu:
+            xq, xs = _quantize_tokens(x)
+            return int8_gemm(xq, w, self.tile_scale, xs, self.out_dtype, True)
+        return silu_mul(self(x))
+
 
 def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
     """The nn.Linear layers whose full name matches `pattern`: what quantize_int8 replaces."""
@@ -158,10 +205,14 @@ def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and wanted.search(name)}
 
 
-def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str) -> int:
-    """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many."""
+def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str, glu: str | None = None) -> int:
+    """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many.
+    Those whose name also matches `glu` are SwiGLU gate/up layers (Int8Linear's glu)."""
     names = list(int8_targets(model, pattern))  # names only: each float matrix is freed once replaced
-    return replace_linears(model, names, lambda linear: Int8Linear(linear, dtype))
+    swiglu = {n for n in names if glu and re.search(glu, n)}
+    for name in names:
+        replace_linears(model, [name], functools.partial(Int8Linear, out_dtype=dtype, glu=name in swiglu))
+    return len(names)
 
 
 def use_native_int8(model: nn.Module) -> int:
@@ -176,7 +227,10 @@ def use_native_int8(model: nn.Module) -> int:
     for layer in model.modules():
         if isinstance(layer, Int8Linear) and layer.qweight.dim() == 2 and _fits_tiles(layer):
             w = layer.qweight
-            plain = w.to_dense() if w.is_mkldnn else w  # (K, N) either way
-            layer.qweight = pack_tiles(plain.t())
+            plain = (w.to_dense() if w.is_mkldnn else w).t()  # (N, K) either way
+            if layer.glu:
+                plain = interleave_glu(plain)
+            layer.tile_scale = interleave_glu(layer.scale) if layer.glu else layer.scale
+            layer.qweight = pack_tiles(plain)  # after tile_scale: a forward that sees the tiles has both
             moved += 1
     return moved

@@ -21,7 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <cstdlib>
+#include <memory>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_INT8__)
 #error "needs AVX-512 BF16 and AMX int8"
@@ -46,15 +47,39 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// 2^t for t in [-126, 126]: one rounding, a degree-5 polynomial on the fraction, a scalef (as attention.cpp).
+inline __m512 exp2_ps(__m512 t) {
+  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013333558f), f, _mm512_set1_ps(0.0096181291f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Rows of a 16 x 32 int32 block (row stride 32) -> out, times the channels' and tokens' scales.
-template <typename Out>
+// Glu: the block's first 16 channels are gates and the next 16 their up projections (pack order of a
+// SwiGLU layer); writes the 16 values silu(gate) * up = gate * up / (1 + 2^(-gate log2 e)). The
+// reciprocal is rcp14's (relative error < 2^-14, far inside the bf16 rounding or int8 step after it).
+template <typename Out, bool Glu>
 void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs, Out* out, int64_t ldo) {
   const __m512 s0 = _mm512_loadu_ps(ws), s1 = _mm512_loadu_ps(ws + 16);
+  const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f), one = _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 t = _mm512_set1_ps(xs[r]);
     const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32)), s0), t);
     const __m512 b = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + 16)), s1), t);
-    if constexpr (sizeof(Out) == 2) {
+    if constexpr (Glu) {
+      const __m512 sig = _mm512_rcp14_ps(_mm512_add_ps(one, exp2_ps(_mm512_mul_ps(a, minus_log2e))));
+      const __m512 h = _mm512_mul_ps(_mm512_mul_ps(a, b), sig);
+      if constexpr (sizeof(Out) == 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo), (__m256i)_mm512_cvtneps_pbh(h));
+      else
+        _mm512_storeu_ps(out + r * ldo, h);
+    } else if constexpr (sizeof(Out) == 2) {
       _mm512_storeu_si512(out + r * ldo, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     } else {
       _mm512_storeu_ps(out + r * ldo, a);
@@ -63,26 +88,37 @@ void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs
   }
 }
 
-template <typename Out>
+template <typename Out, bool Glu>
 void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
           const float* xs, Out* out, int64_t ldo) {
-  const int64_t ksteps = K / 64, nblocks = N / 32, full = M / 16, mtiles = (M + 15) / 16;
-  // The last partial 16-token tile, zero padded, so every tile load reads 16 rows.
-  std::vector<int8_t> tail(full < mtiles ? 16 * K : 0, 0);
-  for (int64_t r = 0; full * 16 + r < M; ++r) std::memcpy(tail.data() + r * K, x + (full * 16 + r) * lda, K);
+  const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
+  // The activations re-laid tile by tile, [M/16][K/64][16][64], the last tile zero padded, so every
+  // tile load reads 1 KB in a row (measured as fast as loading rows K bytes apart, and one layout for
+  // the padded tail and the rest).
+  std::unique_ptr<int8_t, decltype(&std::free)> a(static_cast<int8_t*>(std::aligned_alloc(64, mtiles * 16 * K)), &std::free);
+  at::parallel_for(0, mtiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t row = t * 16 + r;
+        int8_t* dst = a.get() + t * 16 * K + r * 64;
+        for (int64_t k = 0; k < ksteps; ++k) {
+          if (row < M)
+            std::memcpy(dst + k * kTile, x + row * lda + k * 64, 64);
+          else
+            std::memset(dst + k * kTile, 0, 64);
+        }
+      }
+    }
+  });
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (16 * K) / 2 * 2);  // tiles of tokens, even
 
-  // Tokens 16 t.. at inputs 64 k..: rows of x, or the padded tail (the stride is set alongside).
-  auto a_tile = [&](int64_t t, int64_t k, int64_t& stride) -> const int8_t* {
-    stride = t < full ? lda : K;
-    return t < full ? x + t * 16 * lda + k * 64 : tail.data() + k * 64;
-  };
   at::parallel_for(0, nblocks, 1, [&](int64_t nb0, int64_t nb1) {
     load_tile_config();
     alignas(64) int32_t c[16 * 32];
     // The result tiles for tokens 16 t.. (already stored in c) -> out.
     auto emit = [&](int64_t t, int64_t nb) {
-      store_rows(c, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16, out + t * 16 * ldo + nb * 32, ldo);
+      store_rows<Out, Glu>(c, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16,
+                           out + t * 16 * ldo + nb * (Glu ? 16 : 32), ldo);
     };
     for (int64_t t0 = 0; t0 < mtiles; t0 += chunk) {
       const int64_t t1 = std::min(mtiles, t0 + chunk);
@@ -100,9 +136,7 @@ void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, i
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t k = 0; k < ksteps; ++k) {
-            int64_t sa;
-            const int8_t* a = a_tile(t, k, sa);
-            _tile_loadd(4, a, sa);
+            _tile_loadd(4, a.get() + (t * ksteps + k) * kTile, 64);
             _tile_loadd(6, b0 + k * kTile, 64);
             _tile_loadd(7, b1 + k * kTile, 64);
             _tile_dpbssd(0, 4, 6);
@@ -111,8 +145,7 @@ void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, i
               for (int64_t q = 0; q < per_step && fetched < lines; ++q, ++fetched)
                 _mm_prefetch(next + fetched * 64, _MM_HINT_T1);
             if (two) {
-              a = a_tile(t + 1, k, sa);
-              _tile_loadd(5, a, sa);
+              _tile_loadd(5, a.get() + ((t + 1) * ksteps + k) * kTile, 64);
               _tile_dpbssd(2, 5, 6);
               _tile_dpbssd(3, 5, 7);
             }
@@ -142,15 +175,20 @@ int ember_int8_gemm_usable() {
 }
 
 // out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m], where x is
-// (M, K) int8 with row stride lda, w the packed weights. Returns 0, or 1 for unsupported shapes
-// (K a multiple of 64 and N of 32 are needed).
+// (M, K) int8 with row stride lda, w the packed weights. With glu, out is (M, N / 2): silu(gate) * up,
+// for weights packed with gates and ups alternating in blocks of 16 channels. Returns 0, or 1 for
+// unsupported shapes (K a multiple of 64 and N of 32 are needed).
 int ember_int8_gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
-                    const float* xs, void* out, int64_t ldo, int out_float) {
+                    const float* xs, void* out, int64_t ldo, int out_float, int glu) {
   if (K % 64 != 0 || N % 32 != 0 || M < 1) return 1;
-  if (out_float)
-    gemm(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+  if (out_float && glu)
+    gemm<float, true>(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+  else if (out_float)
+    gemm<float, false>(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+  else if (glu)
+    gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
   else
-    gemm(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
+    gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
   return 0;
 }
 
