@@ -21,9 +21,10 @@ def _native_int8() -> bool:
     return "int8_gemm" in build_kernels()
 
 
-needs_native = pytest.mark.skipif(
-    not _native_int8(), reason="ember's native int8 kernel cannot run here (it needs g++, x86-64 Linux, AMX int8)"
-)
+@pytest.fixture
+def native_int8() -> None:
+    if not _native_int8():
+        pytest.skip("ember's native int8 kernel cannot run here (it needs g++, x86-64 Linux, AMX int8)")
 
 
 def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ def test_int8_linear_is_exact_integer_arithmetic(backend, monkeypatch):
     assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # float32 rounding only
 
 
-@needs_native
+@pytest.mark.usefixtures("native_int8")
 @pytest.mark.parametrize("tokens", [1, 15, 16, 33, 100, 700])
 @pytest.mark.parametrize(("k", "n"), [(64, 32), (384, 1152), (1024, 160), (3072, 96)])
 def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
@@ -72,7 +73,7 @@ def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
     assert ((got - want).abs() <= want.abs() / 128 + 1e-6).all()  # one bf16 rounding
 
 
-@needs_native
+@pytest.mark.usefixtures("native_int8")
 @pytest.mark.parametrize("tokens", [3, 40])
 def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     """A SwiGLU layer's product with silu(gate) * up applied in the kernel, on gate/up interleaved tiles."""
@@ -91,7 +92,7 @@ def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     assert torch.allclose(quant._deinterleave_glu(plain).double(), y, rtol=1e-6, atol=1e-6)
 
 
-@needs_native
+@pytest.mark.usefixtures("native_int8")
 def test_an_int8_swiglu_layer_gives_the_same_on_either_kernel():
     torch.manual_seed(3)
     linear = torch.nn.Linear(128, 192, bias=False)
@@ -104,7 +105,7 @@ def test_an_int8_swiglu_layer_gives_the_same_on_either_kernel():
     assert torch.allclose(onednn.silu_mul(x), want)
 
 
-@needs_native
+@pytest.mark.usefixtures("native_int8")
 def test_only_shapes_the_native_kernel_takes_move_to_it():
     model = torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Linear(96, 128), torch.nn.Linear(128, 80))
     quant.quantize_int8(model, torch.bfloat16, r"\d")
