@@ -134,11 +134,14 @@ def _cache_dir() -> Path:
 
 
 def _library(compiler: str, source: Path) -> Path:
-    """The built library for this source, torch and CPU: from the cache, else compiled into it."""
+    """The built library for this source (and the headers beside it), torch and CPU: from the cache, else
+    compiled into it."""
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256()
+    headers = sorted(source.parent.glob("*.h"))  # what the sources include (amx.h)
     for part in (
         source.read_bytes(),
+        *(h.read_bytes() for h in headers),
         torch.__version__.encode(),
         compiler.encode(),
         " ".join(sorted(cpu_flags())).encode(),

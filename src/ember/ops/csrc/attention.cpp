@@ -22,8 +22,8 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <atomic>
@@ -38,7 +38,8 @@
 #error "needs AVX-512 BF16 and AMX"
 #endif
 
-using bf16 = uint16_t;  // bfloat16 bits
+using ember_amx::bf16;
+using ember_amx::load_tile_config;
 
 namespace {
 
@@ -48,20 +49,6 @@ constexpr int kMaxHead = 256;
 struct Item {
   int32_t seq, head, qblock, kvblocks;  // head: the kv head
 };
-
-// --- AMX: every tile is 16 rows x 64 bytes (a 16 x 32 bf16 operand or a 16 x 16 fp32 result) ---
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 // C (M x N fp32, row stride ldc) = or += A (M x K bf16, row stride lda) x B, where B is K x N in the
 // VNNI layout [K/2][ldb][2]. M, N, K are multiples of 32: 2 x 2 result tiles per step.
@@ -358,7 +345,7 @@ extern "C" {
 
 // 1 when the kernel can run here: Linux grants this process the AMX tile state.
 int ember_attention_usable() {
-  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : 0;
+  return ember_amx::tiles_usable();
 }
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.

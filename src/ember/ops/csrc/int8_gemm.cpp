@@ -15,8 +15,8 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -28,24 +28,13 @@
 #error "needs AVX-512 BF16 and AMX int8"
 #endif
 
-using bf16 = uint16_t;  // bfloat16 bits
+using ember_amx::bf16;
+using ember_amx::load_tile_config;
 
 namespace {
 
 constexpr int64_t kTile = 1024;          // bytes per packed weight tile: 16 rows (of 4 inputs) x 16 channels x 4
 constexpr int64_t kChunkBytes = 256 << 10;  // activations per token chunk: a quarter of L2
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 // 2^t for t in [-126, 126]: one rounding, a degree-5 polynomial on the fraction, a scalef (as attention.cpp).
 inline __m512 exp2_ps(__m512 t) {
@@ -171,7 +160,7 @@ extern "C" {
 
 // 1 when the kernel can run here: Linux grants this process the AMX tile state.
 int ember_int8_gemm_usable() {
-  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : 0;
+  return ember_amx::tiles_usable();
 }
 
 // out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m], where x is
