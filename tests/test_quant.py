@@ -2,6 +2,8 @@
 MiniLM and on Qwen3, what each model quantises, and compiled against eager."""
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -103,6 +105,39 @@ def test_an_int8_swiglu_layer_gives_the_same_on_either_kernel():
     want = torch.nn.functional.silu(onednn(x)[:, :96]) * onednn(x)[:, 96:]
     assert torch.allclose(native.silu_mul(x), want, rtol=1e-3, atol=1e-4)
     assert torch.allclose(onednn.silu_mul(x), want)
+
+
+@pytest.mark.usefixtures("native_int8")
+def test_layers_move_to_the_native_kernel_while_forwards_run():
+    """The compile thread repacks the layers while the engine serves: forwards meanwhile run each layer on
+    one kernel or the other, never on a half-moved one (tiles with oneDNN's scales, say)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(24)))
+    quant.quantize_int8(model, torch.float32, r"\d")
+    x = torch.randn(40, 256)
+    want = model(x)  # every layer on oneDNN
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                results.append(model(x))
+            except BaseException as e:  # reported by the assertion below
+                errors.append(e)
+                return
+
+    server = threading.Thread(target=serve)
+    server.start()
+    time.sleep(0.05)
+    moved = use_native_int8(model)
+    time.sleep(0.05)
+    stop.set()
+    server.join()
+    assert moved == 24 and not errors and len(results) >= 2
+    for got in [*results, model(x)]:  # the kernels differ only in float32 rounding and int8 ties
+        assert torch.nn.functional.cosine_similarity(got, want).min() >= 0.999
 
 
 @pytest.mark.usefixtures("native_int8")
