@@ -36,7 +36,7 @@ def forward(
     for tiles, packed, scale in layers:
         x = xs[tiles.shape[1] * 64]  # by the layer's inputs
         if native:
-            int8_gemm(x, tiles, scale, x_scale, torch.bfloat16, False)
+            int8_gemm(x, tiles, scale, x_scale, None, torch.bfloat16, False)
         else:
             int8_mm(x, packed, scale, torch.bfloat16)
 

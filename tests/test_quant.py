@@ -69,9 +69,9 @@ def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
     want = (x.double() @ w.double().t()) * ws.double() * xs.double()
     tiles = pack_tiles(w)
     assert tiles.shape == (n // 16, k // 64, 16, 16, 4)
-    got = int8_gemm(x, tiles, ws, xs, torch.float32, False).double()
+    got = int8_gemm(x, tiles, ws, xs, None, torch.float32, False).double()
     assert ((got - want).abs() / want.abs().amax()).max() < 1e-6
-    got = int8_gemm(x, tiles, ws, xs, torch.bfloat16, False).double()
+    got = int8_gemm(x, tiles, ws, xs, None, torch.bfloat16, False).double()
     assert ((got - want).abs() <= want.abs() / 128 + 1e-6).all()  # one bf16 rounding
 
 
@@ -87,10 +87,10 @@ def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     y = (x.double() @ w.double().t()) * ws.double() * xs.double()  # (T, 2 I): values up to ~10
     want = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
     tiles = pack_tiles(quant.interleave_glu(w))
-    got = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, torch.float32, True).double()
+    got = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, None, torch.float32, True).double()
     assert got.shape == (tokens, i)
     assert ((got - want).abs() / want.abs().amax()).max() < 2e-4  # rcp14: 2^-14 relative
-    plain = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, torch.float32, False)
+    plain = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, None, torch.float32, False)
     assert torch.allclose(quant._deinterleave_glu(plain).double(), y, rtol=1e-6, atol=1e-6)
 
 

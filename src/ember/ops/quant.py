@@ -61,12 +61,14 @@ def int8_gemm(
     tiles: torch.Tensor,
     w_scale: torch.Tensor,
     x_scale: torch.Tensor,
+    bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     glu: bool,
 ) -> torch.Tensor:
     """(T, K) int8 @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales (N,)
-    and the tokens' (T, 1): (T, N) in out_dtype (bf16 or float32), rounded once. With glu, for weights
-    whose gates and ups alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2)."""
+    and the tokens' (T, 1), plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
+    once. With glu, for weights whose gates and ups alternate in blocks of 16 channels (interleave_glu):
+    silu(gate) * up, (T, N / 2)."""
     kernel = int8_gemm_kernel()
     assert kernel is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
     xq, x_scale = xq.contiguous(), x_scale.float().contiguous()
@@ -75,8 +77,8 @@ def int8_gemm(
     width = n // 2 if glu else n
     out = torch.empty((t, width), dtype=out_dtype)
     status = kernel.ember_int8_gemm(
-        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(), out.data_ptr(), width,
-        int(out_dtype == torch.float32), int(glu),
+        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"native int8 kernel refused (T, K, N) = {(t, k, n)}")
@@ -89,6 +91,7 @@ def _(
     tiles: torch.Tensor,
     w_scale: torch.Tensor,
     x_scale: torch.Tensor,
+    bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     glu: bool,
 ) -> torch.Tensor:
@@ -177,10 +180,8 @@ class Int8Linear(nn.Module):
         xq, xs = _quantize_tokens(x)
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them)
-            y = int8_gemm(xq, w, self.tile_scale, xs, self.out_dtype, False)
-            if self.glu:
-                return _deinterleave_glu(y)
-            return y if self.bias is None else (y.float() + self.bias).to(self.out_dtype)
+            y = int8_gemm(xq, w, self.tile_scale, xs, self.bias, self.out_dtype, False)
+            return _deinterleave_glu(y) if self.glu else y
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
         else:
@@ -195,7 +196,7 @@ class Int8Linear(nn.Module):
         w = self.qweight
         if w.dim() == 5 and self.glu:
             xq, xs = _quantize_tokens(x)
-            return int8_gemm(xq, w, self.tile_scale, xs, self.out_dtype, True)
+            return int8_gemm(xq, w, self.tile_scale, xs, None, self.out_dtype, True)
         return silu_mul(self(x))
 
 

@@ -49,18 +49,22 @@ inline __m512 exp2_ps(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Rows of a 16 x 32 int32 block (row stride 32) -> out, times the channels' and tokens' scales.
+// Rows of a 16 x 32 int32 block (row stride 32) -> out, times the channels' and tokens' scales, plus the
+// channels' bias where there is one (bias: nullptr).
 // Glu: the block's first 16 channels are gates and the next 16 their up projections (pack order of a
 // SwiGLU layer); writes the 16 values silu(gate) * up = gate * up / (1 + 2^(-gate log2 e)). The
 // reciprocal is rcp14's (relative error < 2^-14, far inside the bf16 rounding or int8 step after it).
 template <typename Out, bool Glu>
-void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs, Out* out, int64_t ldo) {
+void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs, const float* bias, Out* out,
+                int64_t ldo) {
   const __m512 s0 = _mm512_loadu_ps(ws), s1 = _mm512_loadu_ps(ws + 16);
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f), one = _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 t = _mm512_set1_ps(xs[r]);
-    const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32)), s0), t);
-    const __m512 b = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + 16)), s1), t);
+    const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32)), s0), t, b0);
+    const __m512 b = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + 16)), s1), t, b1);
     if constexpr (Glu) {
       const __m512 sig = _mm512_rcp14_ps(_mm512_add_ps(one, exp2_ps(_mm512_mul_ps(a, minus_log2e))));
       const __m512 h = _mm512_mul_ps(_mm512_mul_ps(a, b), sig);
@@ -79,7 +83,7 @@ void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs
 
 template <typename Out, bool Glu>
 void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
-          const float* xs, Out* out, int64_t ldo) {
+          const float* xs, const float* bias, Out* out, int64_t ldo) {
   const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
   // The activations re-laid tile by tile, [M/16][K/64][16][64], the last tile zero padded, so every
   // tile load reads 1 KB in a row (measured as fast as loading rows K bytes apart, and one layout for
@@ -107,6 +111,7 @@ void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, i
     // The result tiles for tokens 16 t.. (already stored in c) -> out.
     auto emit = [&](int64_t t, int64_t nb) {
       store_rows<Out, Glu>(c, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16,
+                           bias ? bias + nb * 32 : nullptr,
                            out + t * 16 * ldo + nb * (Glu ? 16 : 32), ldo);
     };
     for (int64_t t0 = 0; t0 < mtiles; t0 += chunk) {
@@ -163,21 +168,21 @@ int ember_int8_gemm_usable() {
   return ember_amx::tiles_usable();
 }
 
-// out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m], where x is
-// (M, K) int8 with row stride lda, w the packed weights. With glu, out is (M, N / 2): silu(gate) * up,
+// out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m] + bias[n] (bias
+// may be null), where x is (M, K) int8 with row stride lda, w the packed weights. With glu, out is (M, N / 2): silu(gate) * up,
 // for weights packed with gates and ups alternating in blocks of 16 channels. Returns 0, or 1 for
 // unsupported shapes (K a multiple of 64 and N of 32 are needed).
 int ember_int8_gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
-                    const float* xs, void* out, int64_t ldo, int out_float, int glu) {
+                    const float* xs, const float* bias, void* out, int64_t ldo, int out_float, int glu) {
   if (K % 64 != 0 || N % 32 != 0 || M < 1) return 1;
   if (out_float && glu)
-    gemm<float, true>(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+    gemm<float, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
   else if (out_float)
-    gemm<float, false>(x, M, K, lda, w, N, ws, xs, static_cast<float*>(out), ldo);
+    gemm<float, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
   else if (glu)
-    gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
+    gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
   else
-    gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, static_cast<bf16*>(out), ldo);
+    gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
   return 0;
 }
 
