@@ -80,6 +80,8 @@ def int8_gemm(
         xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
     )  # fmt: skip
+    if status == 2:
+        raise MemoryError(f"native int8 kernel: no memory for its {t} x {k} activation buffer")
     if status != 0:
         raise RuntimeError(f"native int8 kernel refused (T, K, N) = {(t, k, n)}")
     return out

@@ -82,13 +82,14 @@ void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs
 }
 
 template <typename Out, bool Glu>
-void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
+bool gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
           const float* xs, const float* bias, Out* out, int64_t ldo) {
   const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
   // The activations re-laid tile by tile, [M/16][K/64][16][64], the last tile zero padded, so every
   // tile load reads 1 KB in a row (measured as fast as loading rows K bytes apart, and one layout for
   // the padded tail and the rest).
   std::unique_ptr<int8_t, decltype(&std::free)> a(static_cast<int8_t*>(std::aligned_alloc(64, mtiles * 16 * K)), &std::free);
+  if (!a) return false;
   at::parallel_for(0, mtiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < 16; ++r) {
@@ -157,6 +158,7 @@ void gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, i
     }
     _tile_release();
   });
+  return true;
 }
 
 }  // namespace
@@ -170,19 +172,21 @@ int ember_int8_gemm_usable() {
 
 // out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m] + bias[n] (bias
 // may be null), where x is (M, K) int8 with row stride lda, w the packed weights. With glu, out is (M, N / 2): silu(gate) * up,
-// for weights packed with gates and ups alternating in blocks of 16 channels. Returns 0, or 1 for
-// unsupported shapes (K a multiple of 64 and N of 32 are needed).
+// for weights packed with gates and ups alternating in blocks of 16 channels. Returns 0; 1 for
+// unsupported shapes (K a multiple of 64 and N of 32 are needed); 2 when its buffer cannot be allocated.
 int ember_int8_gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
                     const float* xs, const float* bias, void* out, int64_t ldo, int out_float, int glu) {
   if (K % 64 != 0 || N % 32 != 0 || M < 1) return 1;
+  bool done;
   if (out_float && glu)
-    gemm<float, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
+    done = gemm<float, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
   else if (out_float)
-    gemm<float, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
+    done = gemm<float, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
   else if (glu)
-    gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+    done = gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
   else
-    gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+    done = gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+  if (!done) return 2;
   return 0;
 }
 
