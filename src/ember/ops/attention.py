@@ -75,6 +75,8 @@ def _native(
         len(seqlens), hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
         int(causal), d**-0.5, _blocks(max(seqlens)),
     )  # fmt: skip
+    if status == 2:
+        raise MemoryError(f"native attention: no memory for the packed keys and values of {t} tokens")
     if status != 0:
         raise RuntimeError(f"native attention refused shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out

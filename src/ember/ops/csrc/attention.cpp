@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_BF16__)
@@ -350,17 +351,21 @@ int ember_attention_usable() {
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks: 0 for 32 x 32 (query rows x keys),
-// 1 for 64 x 64, 2 for 64 x 128. Returns 0, or 1 for unsupported shapes.
+// 1 for 64 x 64, 2 for 64 x 128. Returns 0; 1 for unsupported shapes; 2 when its buffers cannot be allocated.
 int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
                     int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
                     int blocks) {
   if (d % 32 != 0 || d > kMaxHead || hkv <= 0 || hq % hkv != 0) return 1;
   const bool c = causal != 0;
-  switch (blocks) {  // query rows x keys per block
-    case 0: attend<32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-    case 1: attend<64, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-    case 2: attend<64, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-    default: return 1;
+  try {  // no exception may cross into ctypes (it would terminate the process)
+    switch (blocks) {  // query rows x keys per block
+      case 0: attend<32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 1: attend<64, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 2: attend<64, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      default: return 1;
+    }
+  } catch (const std::bad_alloc&) {
+    return 2;
   }
   return 0;
 }
