@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.ops.native import attention_kernel
+from ember.ops.native import attention_kernel, check_status
 
 __all__ = ["group_by_length", "varlen_attention"]
 
@@ -75,10 +75,7 @@ def _native(
         len(seqlens), hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
         int(causal), d**-0.5, _blocks(max(seqlens)),
     )  # fmt: skip
-    if status == 2:
-        raise MemoryError(f"native attention: no memory for the packed keys and values of {t} tokens")
-    if status != 0:
-        raise RuntimeError(f"native attention refused shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_status(status, f"attention q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
 
 

@@ -32,7 +32,7 @@ import torch
 
 from ember.hardware import cpu_flags
 
-__all__ = ["attention_kernel", "build_kernels", "int8_gemm_kernel", "native_enabled"]
+__all__ = ["attention_kernel", "build_kernels", "check_status", "int8_gemm_kernel", "native_enabled"]
 
 log = logging.getLogger("ember.native")
 
@@ -60,13 +60,14 @@ class _Kernel:
     switch: str  # the environment variable that turns it off
     needs: frozenset[str]  # CPU flags
     signature: Callable[[ctypes.CDLL], None]
+    fallback: str  # what runs instead, for the log
 
 
 _KERNELS = (
     _Kernel("attention", "EMBER_NATIVE_ATTENTION", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}),
-            _attention_signature),
+            _attention_signature, "attention uses torch's SDPA"),
     _Kernel("int8_gemm", "EMBER_NATIVE_INT8", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}),
-            _int8_gemm_signature),
+            _int8_gemm_signature, "int8 layers use oneDNN"),
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -89,6 +90,15 @@ def int8_gemm_kernel() -> ctypes.CDLL | None:
     return _loaded.get("int8_gemm")
 
 
+def check_status(status: int, call: str) -> None:
+    """What every kernel's entry point returns: 0 done, 1 shapes it does not take, 2 no memory for its
+    working buffers (a MemoryError fails that batch alone; the server goes on)."""
+    if status == 2:
+        raise MemoryError(f"native {call}: no memory for its working buffers")
+    if status != 0:
+        raise RuntimeError(f"native {call}: shapes refused")
+
+
 def build_kernels() -> dict[str, ctypes.CDLL]:
     """Builds (or loads from the cache) and checks every kernel this machine can run; returns them by name.
     Safe to call from several threads and more than once: the work is done once per process."""
@@ -104,12 +114,11 @@ def build_kernels() -> dict[str, ctypes.CDLL]:
 
 
 def _build(kernel: _Kernel) -> ctypes.CDLL | None:
-    fallback = "attention uses torch's SDPA" if kernel.name == "attention" else "int8 layers use oneDNN"
     if not native_enabled(kernel.switch) or platform.system() != "Linux" or platform.machine() != "x86_64":
         return None
     if not cpu_flags() >= kernel.needs:
         log.info("native %s: this CPU lacks %s; %s", kernel.name, " ".join(sorted(kernel.needs - cpu_flags())),
-                 fallback)  # fmt: skip
+                 kernel.fallback)  # fmt: skip
         return None
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -117,11 +126,11 @@ def _build(kernel: _Kernel) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_library(compiler, _CSRC / f"{kernel.name}.cpp")))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native %s could not be built (%s); %s", kernel.name, exc, fallback)
+        log.warning("native %s could not be built (%s); %s", kernel.name, exc, kernel.fallback)
         return None
     kernel.signature(lib)
     if getattr(lib, f"ember_{kernel.name}_usable")() != 1:
-        log.info("native %s: the kernel may not use AMX tiles here; %s", kernel.name, fallback)
+        log.info("native %s: the kernel may not use AMX tiles here; %s", kernel.name, kernel.fallback)
         return None
     return lib
 

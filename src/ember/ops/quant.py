@@ -25,7 +25,7 @@ from torch import nn
 
 from ember.ops.fused import silu_mul
 from ember.ops.linear import replace_linears
-from ember.ops.native import int8_gemm_kernel
+from ember.ops.native import check_status, int8_gemm_kernel
 
 __all__ = [
     "Int8Linear",
@@ -80,10 +80,7 @@ def int8_gemm(
         xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
     )  # fmt: skip
-    if status == 2:
-        raise MemoryError(f"native int8 kernel: no memory for its {t} x {k} activation buffer")
-    if status != 0:
-        raise RuntimeError(f"native int8 kernel refused (T, K, N) = {(t, k, n)}")
+    check_status(status, f"int8 product (T, K, N) = {(t, k, n)}")
     return out
 
 
