@@ -76,6 +76,28 @@ def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
 
 
 @pytest.mark.usefixtures("native_int8")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 17, 168])
+@pytest.mark.parametrize("k", [64, 3072])
+def test_native_kernel_quantises_tokens_as_torch_does(dtype, tokens, k):
+    """Float activations quantised inside the kernel give, to the bit, what quantising them in torch
+    (_quantize_tokens, the other kernels' path) and passing int8 gives; rows read with their stride."""
+    g = torch.Generator().manual_seed(tokens + k)
+    x = (torch.randn(tokens, k, generator=g) * torch.logspace(-3, 2, tokens)[:, None]).to(dtype)
+    x[0, :4] = torch.tensor([0.5, -1.5, 2.5, -127.0], dtype=dtype)  # ties to even, and amax on a negative
+    w = torch.randint(-127, 128, (96, k), dtype=torch.int8, generator=g)
+    tiles, ws = pack_tiles(w), torch.rand(96, generator=g)
+    xq, xs = quant._quantize_tokens(x)
+    want = int8_gemm(xq, tiles, ws, xs, None, torch.float32, False)
+    assert torch.equal(int8_gemm(x, tiles, ws, None, None, torch.float32, False), want)
+    wide = torch.zeros(tokens, k + 64, dtype=dtype)
+    wide[:, :k] = x
+    assert torch.equal(int8_gemm(wide[:, :k], tiles, ws, None, None, torch.float32, False), want)
+    with pytest.raises(RuntimeError, match="shapes refused"):
+        int8_gemm(x.half(), tiles, ws, None, None, torch.float32, False)
+
+
+@pytest.mark.usefixtures("native_int8")
 @pytest.mark.parametrize("tokens", [3, 40])
 def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     """A SwiGLU layer's product with silu(gate) * up applied in the kernel, on gate/up interleaved tiles."""

@@ -49,7 +49,7 @@ def _attention_signature(lib: ctypes.CDLL) -> None:
 def _int8_gemm_signature(lib: ctypes.CDLL) -> None:
     lib.ember_int8_gemm.restype = ctypes.c_int
     lib.ember_int8_gemm.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
         + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     )  # fmt: skip
 

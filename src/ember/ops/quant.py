@@ -55,46 +55,53 @@ def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: 
     return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
 
+_X_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the kernel's x_type
+
+
 @torch.library.custom_op("ember::int8_gemm", mutates_args=())
 def int8_gemm(
-    xq: torch.Tensor,
+    x: torch.Tensor,
     tiles: torch.Tensor,
     w_scale: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     glu: bool,
 ) -> torch.Tensor:
-    """(T, K) int8 @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales (N,)
-    and the tokens' (T, 1), plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
-    once. With glu, for weights whose gates and ups alternate in blocks of 16 channels (interleave_glu):
-    silu(gate) * up, (T, N / 2)."""
+    """(T, K) activations @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales
+    (N,) and the tokens', plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
+    once. x is int8 with its tokens' scales x_scale (T, 1), or bf16 / float32 with x_scale None, which the
+    kernel quantises per token itself (as _quantize_tokens does). With glu, for weights whose gates and ups
+    alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2)."""
     kernel = int8_gemm_kernel()
     assert kernel is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
-    xq, x_scale = xq.contiguous(), x_scale.float().contiguous()
-    t, k = xq.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x_scale = None if x_scale is None else x_scale.float().contiguous()
+    t, k = x.shape
     n = w_scale.shape[0]
     width = n // 2 if glu else n
     out = torch.empty((t, width), dtype=out_dtype)
     status = kernel.ember_int8_gemm(
-        xq.data_ptr(), t, k, k, tiles.data_ptr(), n, w_scale.data_ptr(), x_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
+        x.data_ptr(), _X_TYPES.get(x.dtype, -1), t, k, x.stride(0), tiles.data_ptr(), n, w_scale.data_ptr(),
+        None if x_scale is None else x_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
     )  # fmt: skip
-    check_status(status, f"int8 product (T, K, N) = {(t, k, n)}")
+    check_status(status, f"int8 product (T, K, N) = {(t, k, n)} on {x.dtype}")
     return out
 
 
 @int8_gemm.register_fake
 def _(
-    xq: torch.Tensor,
+    x: torch.Tensor,
     tiles: torch.Tensor,
     w_scale: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     glu: bool,
 ) -> torch.Tensor:
-    return xq.new_empty((xq.shape[0], w_scale.shape[0] // (2 if glu else 1)), dtype=out_dtype)
+    return x.new_empty((x.shape[0], w_scale.shape[0] // (2 if glu else 1)), dtype=out_dtype)
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -176,11 +183,11 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = _quantize_tokens(x)
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
-        if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them)
-            y = int8_gemm(xq, w, self.tile_scale, xs, self.bias, self.out_dtype, False)
+        if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
+            y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
             return _deinterleave_glu(y) if self.glu else y
+        xq, xs = _quantize_tokens(x)
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
         else:
@@ -194,8 +201,7 @@ class Int8Linear(nn.Module):
         """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
         w = self.qweight
         if w.dim() == 5 and self.glu:
-            xq, xs = _quantize_tokens(x)
-            return int8_gemm(xq, w, self.tile_scale, xs, None, self.out_dtype, True)
+            return int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
         return silu_mul(self(x))
 
 

@@ -1,7 +1,9 @@
 // int8 x int8 matrix product for the int8 linear layers, on AMX tiles: out = (x @ w^T) * w_scale[n] * x_scale[m].
 //
 // Built and loaded like attention.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
-// x: (M, K) int8 activations, quantised per token; w: the (N, K) int8 weights packed once at load into
+// x: (M, K) activations, int8 quantised per token, or bf16 / float32 that the kernel quantises per token
+// itself while re-laying them for the tiles (saving the separate pass over memory and the kernel launch
+// that quantising in torch costs per layer); w: the (N, K) int8 weights packed once at load into
 // AMX's tile layout, [N/16][K/64][16][16][4]: one 1 KB tile per 16 output channels x 64 inputs, 4
 // consecutive inputs per channel side by side (what TDPBSSD reads as its B operand). The int32 sums
 // are scaled and rounded once, to bf16 or float32, on the way out.
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_INT8__)
 #error "needs AVX-512 BF16 and AMX int8"
@@ -81,29 +84,71 @@ void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs
   }
 }
 
-template <typename Out, bool Glu>
-bool gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
-          const float* xs, const float* bias, Out* out, int64_t ldo) {
-  const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
-  // The activations re-laid tile by tile, [M/16][K/64][16][64], the last tile zero padded, so every
-  // tile load reads 1 KB in a row (measured as fast as loading rows K bytes apart, and one layout for
-  // the padded tail and the rest).
-  std::unique_ptr<int8_t, decltype(&std::free)> a(static_cast<int8_t*>(std::aligned_alloc(64, mtiles * 16 * K)), &std::free);
-  if (!a) return false;
+// 16 values of a row of activations, as float32.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const bf16* x) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// One token's K activations -> int8 in the tile buffer (64 inputs per k step, kTile bytes apart), quantised
+// symmetrically as ember.ops.quant._quantize_tokens does, to the bit: q = round(x * (127 / amax)) with
+// amax = max|x| (at least 1e-8), ties to even, where 127 / amax is torch's (1 / amax) * 127; returns the
+// token's scale amax / 127.
+template <typename In>
+float quantize_row(const In* x, int64_t K, int8_t* dst) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + k)));
+  const float amax = std::max(_mm512_reduce_max_ps(m), 1e-8f);
+  const __m512 inv = _mm512_set1_ps(1.f / amax * 127.f), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t k = 0; k < K; k += 64) {
+    for (int j = 0; j < 4; ++j) {
+      __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k + 16 * j), inv),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * kTile + 16 * j),
+                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+    }
+  }
+  return amax / 127.f;
+}
+
+// The activations re-laid tile by tile into a, [M/16][K/64][16][64], the last tile zero padded, so every
+// tile load reads 1 KB in a row (measured as fast as loading rows K bytes apart, and one layout for the
+// padded tail and the rest). In: int8 (already quantised; xs is left alone) or bf16 / float32, quantised
+// per token on the way, their scales written to xs.
+template <typename In>
+void relayout(const In* x, int64_t M, int64_t K, int64_t lda, int8_t* a, float* xs) {
+  const int64_t ksteps = K / 64, mtiles = (M + 15) / 16;
   at::parallel_for(0, mtiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = t * 16 + r;
-        int8_t* dst = a.get() + t * 16 * K + r * 64;
-        for (int64_t k = 0; k < ksteps; ++k) {
-          if (row < M)
-            std::memcpy(dst + k * kTile, x + row * lda + k * 64, 64);
-          else
-            std::memset(dst + k * kTile, 0, 64);
+        int8_t* dst = a + t * 16 * K + r * 64;
+        if (row >= M) {
+          for (int64_t k = 0; k < ksteps; ++k) std::memset(dst + k * kTile, 0, 64);
+        } else if constexpr (std::is_same_v<In, int8_t>) {
+          for (int64_t k = 0; k < ksteps; ++k) std::memcpy(dst + k * kTile, x + row * lda + k * 64, 64);
+        } else {
+          xs[row] = quantize_row(x + row * lda, K, dst);
         }
       }
     }
   });
+}
+
+// x: int8 with its tokens' scales in xs, or bf16 / float32 (In) quantised here, xs then unused (nullptr).
+template <typename Out, bool Glu, typename In>
+bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
+          const float* xs, const float* bias, Out* out, int64_t ldo) {
+  const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
+  // the re-laid activations, then (for activations quantised here) the tokens' scales
+  const int64_t a_bytes = mtiles * 16 * K, xs_bytes = std::is_same_v<In, int8_t> ? 0 : mtiles * 16 * 4;
+  std::unique_ptr<int8_t, decltype(&std::free)> a(static_cast<int8_t*>(std::aligned_alloc(64, a_bytes + xs_bytes)),
+                                                   &std::free);
+  if (!a) return false;
+  float* own_xs = xs_bytes ? reinterpret_cast<float*>(a.get() + a_bytes) : nullptr;
+  relayout(x, M, K, lda, a.get(), own_xs);
+  if (own_xs) xs = own_xs;
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (16 * K) / 2 * 2);  // tiles of tokens, even
 
   at::parallel_for(0, nblocks, 1, [&](int64_t nb0, int64_t nb1) {
@@ -171,23 +216,29 @@ int ember_int8_gemm_usable() {
 }
 
 // out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m] + bias[n] (bias
-// may be null), where x is (M, K) int8 with row stride lda, w the packed weights. With glu, out is (M, N / 2): silu(gate) * up,
-// for weights packed with gates and ups alternating in blocks of 16 channels. Returns 0; 1 for
-// unsupported shapes (K a multiple of 64 and N of 32 are needed); 2 when its buffer cannot be allocated.
-int ember_int8_gemm(const int8_t* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
-                    const float* xs, const float* bias, void* out, int64_t ldo, int out_float, int glu) {
-  if (K % 64 != 0 || N % 32 != 0 || M < 1) return 1;
+// may be null), where x is (M, K) with row stride lda: int8 (x_type 0) with its tokens' scales xs, or bf16 (1)
+// or float32 (2) activations that the kernel quantises per token itself (xs unused); w the packed weights.
+// With glu, out is (M, N / 2): silu(gate) * up, for weights packed with gates and ups alternating in blocks
+// of 16 channels. Returns 0; 1 for unsupported shapes (K a multiple of 64 and N of 32 are needed) or types;
+// 2 when its buffer cannot be allocated.
+int ember_int8_gemm(const void* x, int x_type, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N,
+                    const float* ws, const float* xs, const float* bias, void* out, int64_t ldo, int out_float,
+                    int glu) {
+  if (K % 64 != 0 || N % 32 != 0 || M < 1 || x_type < 0 || x_type > 2 || (x_type == 0 && !xs)) return 1;
+  auto run = [&](auto* in) {
+    if (out_float && glu) return gemm<float, true>(in, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
+    if (out_float) return gemm<float, false>(in, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
+    if (glu) return gemm<bf16, true>(in, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+    return gemm<bf16, false>(in, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+  };
   bool done;
-  if (out_float && glu)
-    done = gemm<float, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
-  else if (out_float)
-    done = gemm<float, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<float*>(out), ldo);
-  else if (glu)
-    done = gemm<bf16, true>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
+  if (x_type == 0)
+    done = run(static_cast<const int8_t*>(x));
+  else if (x_type == 1)
+    done = run(static_cast<const bf16*>(x));
   else
-    done = gemm<bf16, false>(x, M, K, lda, w, N, ws, xs, bias, static_cast<bf16*>(out), ldo);
-  if (!done) return 2;
-  return 0;
+    done = run(static_cast<const float*>(x));
+  return done ? 0 : 2;
 }
 
 }  // extern "C"
