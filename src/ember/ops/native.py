@@ -48,10 +48,8 @@ def _attention_signature(lib: ctypes.CDLL) -> None:
 
 def _int8_gemm_signature(lib: ctypes.CDLL) -> None:
     lib.ember_int8_gemm.restype = ctypes.c_int
-    lib.ember_int8_gemm.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
-        + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    )  # fmt: skip
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ember_int8_gemm.argtypes = [p, i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
 
 
 @dataclass(frozen=True)
