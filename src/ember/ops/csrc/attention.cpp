@@ -51,12 +51,25 @@ struct Item {
   int32_t seq, head, qblock, kvblocks;  // head: the kv head
 };
 
-// C (M x N fp32, row stride ldc) = or += A (M x K bf16, row stride lda) x B, where B is K x N in the
+// Where A's rows are, 16 at a time: tile t (rows 16 t .. 16 t + 15) starts at row[t], its rows ld[t]
+// elements apart; or all of A at one pointer with one row stride.
+struct RowTiles {
+  const bf16* const* row;
+  const int64_t* ld;
+  const bf16* a;
+  int64_t lda;
+  const bf16* start(int64_t t) const { return row ? row[t] : a + t * 16 * lda; }
+  int64_t stride(int64_t t) const { return row ? ld[t] : lda; }
+};
+
+// C (M x N fp32, row stride ldc) = or += A (M x K bf16, its rows by RowTiles) x B, where B is K x N in the
 // VNNI layout [K/2][ldb][2]. M, N, K are multiples of 32: 2 x 2 result tiles per step.
 template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float* C,
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B, int64_t ldb, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
+    const bf16 *a0 = A.start(i / 16), *a1 = A.start(i / 16 + 1);
+    const int64_t s0 = A.stride(i / 16) * 2, s1 = A.stride(i / 16 + 1) * 2;
     for (int64_t j = 0; j < N; j += 32) {
       float* c = C + i * ldc + j;
       if constexpr (Accumulate) {
@@ -72,8 +85,8 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, cons
       }
       for (int64_t k = 0; k < K; k += 32) {
         const bf16* b = B + (k / 2) * ldb * 2 + j * 2;
-        _tile_loadd(4, A + i * lda + k, lda * 2);
-        _tile_loadd(5, A + (i + 16) * lda + k, lda * 2);
+        _tile_loadd(4, a0 + k, s0);
+        _tile_loadd(5, a1 + k, s1);
         _tile_loadd(6, b, ldb * 4);
         _tile_loadd(7, b + 32, ldb * 4);
         _tile_dpbf16ps(0, 4, 6);
@@ -89,16 +102,25 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, cons
   }
 }
 
-// Scores -> bf16 probabilities for one row of n (a multiple of 32), in base 2: p = 2^(s * c - ref), c = scale * log2 e.
+// Scores from `keep` on (the causal mask, and keys past the sequence's end) count as -inf: masked in
+// the loads, not written into the row (scalar stores there stalled the vector loads behind them).
+inline __m512 load_scores(const float* s, int64_t j, int64_t keep) {
+  const int64_t valid = std::clamp<int64_t>(keep - j, 0, 16);
+  const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
+}
+
+// Scores -> bf16 probabilities for one row of n (a multiple of 32), of which the first `keep` are unmasked,
+// in base 2: p = 2^(s * c - ref), c = scale * log2 e.
 // `ref` (in/out) is the row's running reference: the largest scaled score seen, raised lazily: only
 // when a block's max exceeds it by more than 8 (so p <= 256, exact enough in fp32 sums and bf16).
 // Returns the factor (2^(old ref - new ref), 1 when unchanged) that earlier sums and outputs need,
 // and adds this row's p to `sum` after scaling it by that factor.
-inline float softmax_row(const float* s, bf16* p, int64_t n, float c, float& ref, float& sum) {
-  __m512 m0 = _mm512_loadu_ps(s), m1 = _mm512_loadu_ps(s + 16);
+inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float c, float& ref, float& sum) {
+  __m512 m0 = load_scores(s, 0, keep), m1 = load_scores(s, 16, keep);
   for (int64_t j = 32; j < n; j += 32) {
-    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
-    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
+    m0 = _mm512_max_ps(m0, load_scores(s, j, keep));
+    m1 = _mm512_max_ps(m1, load_scores(s, j + 16, keep));
   }
   const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * c;
   float factor = 1.f;
@@ -114,8 +136,8 @@ inline float softmax_row(const float* s, bf16* p, int64_t n, float c, float& ref
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 32) {
     // t <= 8; masked scores are -inf and clamp to 2^-126, far below what bf16 sums can see
-    __m512 t0 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vc, off), lo);
-    __m512 t1 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), vc, off), lo);
+    __m512 t0 = _mm512_max_ps(_mm512_fmadd_ps(load_scores(s, j, keep), vc, off), lo);
+    __m512 t1 = _mm512_max_ps(_mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off), lo);
     __m512 n0 = _mm512_roundscale_ps(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 n1 = _mm512_roundscale_ps(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f0 = _mm512_sub_ps(t0, n0), f1 = _mm512_sub_ps(t1, n1);  // in [-0.5, 0.5]
@@ -206,9 +228,11 @@ void pack_kv(const bf16* k, const bf16* v, int64_t sk, int64_t sv, int64_t rows,
 struct Scratch {
   std::vector<bf16> qbuf, probs;
   std::vector<float> scores, acc, row_max, row_sum;
+  std::vector<const bf16*> qrow;  // where each 16-row tile of the item's queries is read from
+  std::vector<int64_t> qld;
   void resize(int64_t rows, int64_t keys, int64_t d) {
     qbuf.resize(rows * d), probs.resize(rows * keys), scores.resize(rows * keys), acc.resize(rows * d);
-    row_max.resize(rows), row_sum.resize(rows);
+    row_max.resize(rows), row_sum.resize(rows), qrow.resize(rows / 16), qld.resize(rows / 16);
   }
 };
 thread_local Scratch t_scratch;
@@ -260,14 +284,29 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
   const int64_t d = a.d, rows_all = a.group * BM;
   const int64_t s = item.seq, g = item.head, len = a.cu[s + 1] - a.cu[s];
   const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
-  // row x = head (g * group + x / BM), token m0 + x % BM
-  for (int64_t x = 0; x < rows_all; ++x) {
-    const int64_t h = g * a.group + x / BM, r = x % BM;
-    if (r < rows) std::memcpy(w.qbuf.data() + x * d, a.q + (a.cu[s] + m0 + r) * a.sq + h * d, d * sizeof(bf16));
-    else std::memset(w.qbuf.data() + x * d, 0, d * sizeof(bf16));
-    w.row_max[x] = kNegInf;
-    w.row_sum[x] = 0.f;
+  // row x = head (g * group + x / BM), token m0 + x % BM. The query tiles are read in place where all 16
+  // rows are the sequence's; a tile it ends inside is copied and zero padded, and one past its end reads
+  // the first tile again (its rows' results are never used).
+  for (int64_t t = 0; t < rows_all / 16; ++t) {
+    const int64_t h = g * a.group + t * 16 / BM, r0 = t * 16 % BM;
+    const bf16* src = a.q + (a.cu[s] + m0 + r0) * a.sq + h * d;
+    if (r0 + 16 <= rows) {
+      w.qrow[t] = src, w.qld[t] = a.sq;
+    } else if (r0 < rows) {
+      bf16* dst = w.qbuf.data() + t * 16 * d;
+      for (int64_t r = 0; r < 16; ++r) {
+        if (r0 + r < rows) std::memcpy(dst + r * d, src + r * a.sq, d * sizeof(bf16));
+        else std::memset(dst + r * d, 0, d * sizeof(bf16));
+      }
+      w.qrow[t] = dst, w.qld[t] = d;
+    } else {
+      w.qrow[t] = w.qrow[0], w.qld[t] = w.qld[0];
+    }
   }
+  std::fill(w.row_max.begin(), w.row_max.begin() + rows_all, kNegInf);
+  std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all, 0.f);
+  const RowTiles queries{w.qrow.data(), w.qld.data(), nullptr, 0};
+  const RowTiles probs{nullptr, nullptr, w.probs.data(), BN};
   for (int64_t b = 0; b < item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
     // keys this block holds for these rows (the last block of a sequence or of a causal row range
@@ -275,19 +314,18 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
     const int64_t cols = std::min<int64_t>(BN, len - n0);
     const int64_t need = a.causal ? std::min<int64_t>(cols, m0 + rows - n0) : cols;
     const int64_t n = (need + 31) / 32 * 32;
-    tile_gemm<false>(rows_all, n, d, w.qbuf.data(), d, a.kpack + i * a.block, BN, w.scores.data(), BN);
+    tile_gemm<false>(rows_all, n, d, queries, a.kpack + i * a.block, BN, w.scores.data(), BN);
     for (int64_t x = 0; x < rows_all; ++x) {
       const int64_t r = x % BM;
       if (r >= rows) continue;
-      float* srow = w.scores.data() + x * BN;
+      const float* srow = w.scores.data() + x * BN;
       const int64_t keep = a.causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
-      for (int64_t j = std::max<int64_t>(keep, 0); j < n; ++j) srow[j] = kNegInf;
-      const float factor = softmax_row(srow, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum[x]);
+      const float factor = softmax_row(srow, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum[x]);
       if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
     }
     const bf16* vb = a.vpack + i * a.block;
-    if (b == 0) tile_gemm<false>(rows_all, d, n, w.probs.data(), BN, vb, d, w.acc.data(), d);  // writes the rows
-    else tile_gemm<true>(rows_all, d, n, w.probs.data(), BN, vb, d, w.acc.data(), d);
+    if (b == 0) tile_gemm<false>(rows_all, d, n, probs, vb, d, w.acc.data(), d);  // writes the rows
+    else tile_gemm<true>(rows_all, d, n, probs, vb, d, w.acc.data(), d);
   }
   for (int64_t x = 0; x < rows_all; ++x) {
     const int64_t h = g * a.group + x / BM, r = x % BM;
