@@ -21,6 +21,11 @@ def kernel() -> ctypes.CDLL:
     return lib
 
 
+def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool):
+    """The kernel itself, whatever varlen_attention would choose."""
+    return attention._native(kernel, q, k, v, attention.seq_offsets(seqlens), max(seqlens), causal)
+
+
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool) -> torch.Tensor:
     """Float32 attention per sequence on the same bf16 values: (T, Hq, D) float32."""
     group = q.shape[1] // k.shape[1]
@@ -57,7 +62,7 @@ def test_matches_float32_attention(
     kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], causal: bool
 ) -> None:
     q, k, v = _packed(seqlens, *heads, seed=len(seqlens))
-    got = attention._native(kernel, q, k, v, seqlens, causal).float()
+    got = _native(kernel, q, k, v, seqlens, causal).float()
     want = _reference(q, k, v, seqlens, causal)
     assert ((got - want).abs() <= 0.01 + 0.01 * want.abs()).all()  # bf16 keeps 8 bits: 0.4% per rounding
     cos = F.cosine_similarity(got.flatten(1), want.flatten(1))
@@ -66,8 +71,8 @@ def test_matches_float32_attention(
 
 def test_causal_and_bidirectional_differ(kernel: ctypes.CDLL) -> None:
     q, k, v = _packed([200], 4, 4, 64, seed=1)
-    causal = attention._native(kernel, q, k, v, [200], True)
-    both = attention._native(kernel, q, k, v, [200], False)
+    causal = _native(kernel, q, k, v, [200], True)
+    both = _native(kernel, q, k, v, [200], False)
     assert torch.allclose(causal[-1].float(), both[-1].float(), atol=0.03)  # the last token sees every key
     assert not torch.allclose(causal[:100].float(), both[:100].float(), atol=0.1)  # early tokens see fewer keys
 
@@ -75,8 +80,8 @@ def test_causal_and_bidirectional_differ(kernel: ctypes.CDLL) -> None:
 def test_a_sequence_alone_equals_it_inside_a_batch(kernel: ctypes.CDLL) -> None:
     seqlens = [300, 150, 77]
     q, k, v = _packed(seqlens, 16, 8, 128, seed=5)
-    batch = attention._native(kernel, q, k, v, seqlens, True)
-    alone = attention._native(kernel, q[300:450], k[300:450], v[300:450], [150], True)
+    batch = _native(kernel, q, k, v, seqlens, True)
+    alone = _native(kernel, q[300:450], k[300:450], v[300:450], [150], True)
     assert torch.equal(batch[300:450], alone)
 
 
@@ -84,9 +89,7 @@ def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pyt
     monkeypatch.setitem(native._loaded, "attention", kernel)
     for seqlens in ([150, 30], [20, 9]):
         q, k, v = _packed(seqlens, 16, 8, 128, seed=2)
-        assert torch.equal(
-            varlen_attention(q, k, v, seqlens, causal=True), attention._native(kernel, q, k, v, seqlens, True)
-        )
+        assert torch.equal(varlen_attention(q, k, v, seqlens, causal=True), _native(kernel, q, k, v, seqlens, True))
     assert not attention._native_fits(*(t.float() for t in (q, k, v)))  # float32: SDPA
     assert [attention._blocks(n) for n in (1, 63, 64, 2047, 2048)] == [0, 0, 1, 1, 2]
 
@@ -96,3 +99,15 @@ def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not native.native_enabled("EMBER_NATIVE_ATTENTION")
     monkeypatch.setenv("EMBER_NATIVE_ATTENTION", "1")
     assert native.native_enabled("EMBER_NATIVE_ATTENTION")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_attention_is_varlen_attention_on_the_projection(dtype: torch.dtype) -> None:
+    """The op a compiled layer calls: the same result from the packed projection and offsets, on the native
+    kernel (bf16, where it runs) and on SDPA (float32)."""
+    seqlens = [21, 5, 40, 1]
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(sum(seqlens), 16 + 2 * 8, 128, generator=g).to(dtype)
+    q, k, v = qkv.split((16, 8, 8), dim=1)
+    got = attention.packed_attention(qkv, attention.seq_offsets(seqlens), 8, True)
+    assert torch.equal(got, varlen_attention(q, k, v, seqlens, causal=True))

@@ -15,6 +15,7 @@ from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
 from ember.ops.quant import use_native_int8
+from ember.ops.tokenwise import TOKEN_SLICE
 from ember.types import ModelInfo
 
 __all__ = ["TorchRunner", "padded_tokens"]
@@ -54,6 +55,11 @@ class TorchRunner:
         use_native_int8(self.model)
         with compiling():
             self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
+            # and a batch over a token slice: models may take another path there (Qwen3's layers run in
+            # slices around attention instead of as one region), which must not meet its first
+            # compilation while serving
+            n = min(self.info.max_model_len, TOKEN_SLICE)
+            self.embed([[1] * n] * (TOKEN_SLICE // n + 1))
         self.compiled = True
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ember.ops.native import attention_kernel, check_status
 
-__all__ = ["group_by_length", "varlen_attention"]
+__all__ = ["group_by_length", "packed_attention", "seq_offsets", "varlen_attention"]
 
 # A group may waste at most this fraction of its padded area on padding.
 _MAX_PADDING = 0.25
@@ -65,24 +65,46 @@ def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _native(
-    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
+    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, causal: bool
 ) -> torch.Tensor:
     t, hq, d = q.shape
     out = torch.empty((t, hq, d), dtype=q.dtype)
-    cu = _offsets(tuple(seqlens))
     status = kernel.ember_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(),
-        len(seqlens), hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
-        int(causal), d**-0.5, _blocks(max(seqlens)),
+        cu.shape[0] - 1, hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
+        int(causal), d**-0.5, _blocks(longest),
     )  # fmt: skip
     check_status(status, f"attention q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
 
 
+def seq_offsets(seqlens: list[int]) -> torch.Tensor:
+    """Where each sequence starts, and the total: (B + 1,) int64 (cu_seqlens), the same for every layer of a
+    forward (cached)."""
+    return _offsets(tuple(seqlens))
+
+
 @functools.lru_cache(maxsize=32)
 def _offsets(seqlens: tuple[int, ...]) -> torch.Tensor:
-    """Where each sequence starts, and the total: (B + 1,) int64, the same for every layer of a forward."""
     return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int64)
+
+
+@torch.library.custom_op("ember::packed_attention", mutates_args=())
+def packed_attention(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
+    """varlen_attention on a packed (T, Hq + 2 Hkv, D) projection (Hkv = n_kv), sequences given by their
+    offsets cu (seq_offsets): (T, Hq, D). An op of its own so that a compiled region can hold a whole layer,
+    attention included, without being specialised on the batch's lengths."""
+    n_q = qkv.shape[1] - 2 * n_kv
+    q, k, v = qkv.split((n_q, n_kv, n_kv), dim=1)
+    kernel = attention_kernel()
+    if kernel is not None and _native_fits(q, k, v):
+        return _native(kernel, q, k, v, cu, int((cu[1:] - cu[:-1]).max()), causal)
+    return varlen_attention(q, k, v, (cu[1:] - cu[:-1]).tolist(), causal)
+
+
+@packed_attention.register_fake
+def _(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * n_kv, qkv.shape[2]))
 
 
 def group_by_length(seqlens: list[int]) -> list[list[int]]:
@@ -117,7 +139,7 @@ def varlen_attention(
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
     kernel = attention_kernel()
     if kernel is not None and _native_fits(q, k, v):
-        return _native(kernel, q, k, v, seqlens, causal)
+        return _native(kernel, q, k, v, seq_offsets(seqlens), max(seqlens), causal)
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)

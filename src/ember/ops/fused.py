@@ -86,11 +86,12 @@ def _tokens(args: tuple[Any, ...]) -> int:
 
 def _mark_tokens_dynamic(args: tuple[Any, ...]) -> None:
     """Compile for any token count, and for nothing else: only the first axis of the activations
-    (tensors of 2+ dims) is symbolic. Weights, head counts and widths stay constants; with every size
+    (tensors of 2+ dims) is symbolic, and the length of integer vectors (a batch's sequence offsets, for
+    any number of sequences). Weights, head counts and widths stay constants; with every size
     symbolic (`dynamic=True`) inductor split the q/k norm + rotary into several loops over float32
     temporaries, with masked tails: 3.33 against 2.74 ms per 2,048 tokens."""
     for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+        if isinstance(a, torch.Tensor) and (a.dim() >= 2 or (a.dim() == 1 and not a.is_floating_point())):
             torch._dynamo.mark_dynamic(a, 0)
 
 
