@@ -116,11 +116,13 @@ class EngineConfig:
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
-    batch_wait_seconds: float = 0.01
+    batch_wait_seconds: float = 0.025
     """Before starting a batch that is not full (or a long window alone), wait up to this long for more
     requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),
     so two queries run together cost little more than one, and closed-loop clients stop alternating.
-    The engine ends the wait early once the requests it expects have arrived (see AsyncEngine._gather)."""
+    The engine ends the wait early once the requests it expects have arrived (see AsyncEngine._gather), so
+    the bound matters only for a straggler: 25 ms rather than 10 let late queries join their batch instead of
+    waiting a whole forward for the next (0.6B int8, 8 clients: p99 0.75x, p50 0.98x; MiniLM: unchanged)."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
     compile_kernels: bool = False

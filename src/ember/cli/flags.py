@@ -88,7 +88,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
     p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")
     p.add_argument(
-        "--batch-wait-ms", type=float, default=10.0, help="most a batch waits for more requests to join it (0: never)"
+        "--batch-wait-ms", type=float, default=25.0, help="most a batch waits for more requests to join it (0: never)"
     )
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
     p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
