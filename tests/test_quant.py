@@ -12,6 +12,7 @@ import torch
 from corpus import DOCUMENTS, QUERIES, SENTENCES
 from ember import Embedder
 from ember.engine.build import int8_parameter_count
+from ember.models.qwen3 import Block
 from ember.ops import quant
 from ember.ops.fused import can_compile
 from ember.ops.native import build_kernels
@@ -252,3 +253,20 @@ def test_qwen3_int8_compiled_regions_match_eager(qwen3_path):
     assert (a * b).sum(1).min() >= 0.999
     alone = fused.embed(texts[3]).vectors[0]  # a text alone equals the same text in a batch
     assert float(alone @ b[3]) >= 0.9999
+
+
+@pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")
+def test_qwen3_int8_compiled_serves_any_batch_without_compiling_again(qwen3_path, monkeypatch):
+    """A layer is one compiled region up to a token slice and slices around attention past it: the compile
+    warm-up builds both (an unbuilt region would run eagerly), for any token and sequence count, so no batch
+    meets a compilation while serving. A sequence gives the same on both paths."""
+    fused = Embedder(str(qwen3_path), dtype="bfloat16", quantization="int8")
+    assert all(region._fast is not None for region in (Block._layer, Block._project, Block._out_mlp))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    g = torch.Generator().manual_seed(0)
+    seqs = {n: torch.randint(10, 1000, (n,), generator=g).tolist() for n in (1, 5, 17, 200, 1000, 1200, 3000)}
+    for lengths in ([5], [5] * 8, [17, 200, 5], [1], [1200, 1000], [3000]):
+        fused.embed([seqs[n] for n in lengths])  # raises if any of them needs a new graph
+    alone = fused.embed([seqs[1000]]).vectors[0]  # 1,000 tokens: one region per layer
+    sliced = fused.embed([seqs[1200], seqs[1000]]).vectors[1]  # 2,200 tokens: the sliced path
+    assert float(alone @ sliced) >= 0.999

@@ -55,11 +55,12 @@ class TorchRunner:
         use_native_int8(self.model)
         with compiling():
             self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
-            # and a batch over a token slice: models may take another path there (Qwen3's layers run in
-            # slices around attention instead of as one region), which must not meet its first
-            # compilation while serving
-            n = min(self.info.max_model_len, TOKEN_SLICE)
-            self.embed([[1] * n] * (TOKEN_SLICE // n + 1))
+            # and a batch of just over a token slice: models may take another path there (Qwen3's layers run
+            # in slices around attention instead of as one region), whose regions would otherwise stay eager
+            lengths: list[int] = []
+            while sum(lengths) <= TOKEN_SLICE:
+                lengths.append(min(self.info.max_model_len, TOKEN_SLICE + 1 - sum(lengths)))
+            self.embed([[1] * n for n in lengths])
         self.compiled = True
 
 
