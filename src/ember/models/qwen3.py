@@ -110,7 +110,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int], cu: torch.Tensor
     ) -> torch.Tensor:
-        if x.shape[0] <= TOKEN_SLICE:
+        if x.shape[0] <= TOKEN_SLICE and _holds_int8(self):  # one region (bf16 has none: see below)
             return self._layer(x, cos, sin, cu)
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
