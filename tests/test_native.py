@@ -23,7 +23,7 @@ def kernel() -> ctypes.CDLL:
 
 def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool):
     """The kernel itself, whatever varlen_attention would choose."""
-    return attention._native(kernel, q, k, v, attention.seq_offsets(seqlens), max(seqlens), causal)
+    return attention._native(kernel, q, k, v, attention.seq_offsets(seqlens), causal)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool) -> torch.Tensor:
@@ -91,7 +91,6 @@ def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pyt
         q, k, v = _packed(seqlens, 16, 8, 128, seed=2)
         assert torch.equal(varlen_attention(q, k, v, seqlens, causal=True), _native(kernel, q, k, v, seqlens, True))
     assert not attention._native_fits(*(t.float() for t in (q, k, v)))  # float32: SDPA
-    assert [attention._blocks(n) for n in (1, 63, 64, 2047, 2048)] == [0, 0, 1, 1, 2]
 
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,17 +41,6 @@ _OWN_CALL = 128
 _ALIGN, _ALIGN_FROM = 16, 64
 
 
-# The native kernel's block shapes (query rows x keys), by the batch's longest sequence: 32 x 32 below
-# 64 tokens (twice as fast as 64 x 64 on 8 queries of 20 tokens), 64 x 128 from 2,048 tokens.
-_SMALL_BLOCKS_BELOW = 64
-_LONG_BLOCKS_FROM = 2048
-
-
-def _blocks(longest: int) -> int:
-    """The kernel's block-shape code: 0 for 32 x 32, 1 for 64 x 64, 2 for 64 x 128."""
-    return 0 if longest < _SMALL_BLOCKS_BELOW else 1 if longest < _LONG_BLOCKS_FROM else 2
-
-
 def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (
@@ -65,14 +54,15 @@ def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _native(
-    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, causal: bool
+    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool
 ) -> torch.Tensor:
+    """The native kernel on q, k, v in place; it picks its block shape by the longest sequence."""
     t, hq, d = q.shape
     out = torch.empty((t, hq, d), dtype=q.dtype)
     status = kernel.ember_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(),
         cu.shape[0] - 1, hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
-        int(causal), d**-0.5, _blocks(longest),
+        int(causal), d**-0.5, -1,
     )  # fmt: skip
     check_status(status, f"attention q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
@@ -89,20 +79,35 @@ def _offsets(seqlens: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int64)
 
 
-@torch.library.custom_op("ember::packed_attention", mutates_args=())
+torch.library.define("ember::native_attention", "(Tensor qkv, Tensor cu, int n_kv, bool causal) -> Tensor")
+
+
+@torch.library.register_fake("ember::native_attention")
+def _(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * n_kv, qkv.shape[2]))
+
+
 def packed_attention(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
     """varlen_attention on a packed (T, Hq + 2 Hkv, D) projection (Hkv = n_kv), sequences given by their
-    offsets cu (seq_offsets): (T, Hq, D). An op of its own so that a compiled region can hold a whole layer,
-    attention included, without being specialised on the batch's lengths."""
+    offsets cu (seq_offsets): (T, Hq, D). Operators, so that a compiled region can hold a whole layer,
+    attention included, without being specialised on the batch's lengths: ember::native_attention, the
+    native kernel registered in C++ by its library (no Python per call), where it runs; else
+    ember::packed_sdpa."""
+    n_q = qkv.shape[1] - 2 * n_kv
+    if attention_kernel() is not None and _native_fits(*qkv.split((n_q, n_kv, n_kv), dim=1)):
+        return torch.ops.ember.native_attention(qkv, cu, n_kv, causal)
+    return packed_sdpa(qkv, cu, n_kv, causal)
+
+
+@torch.library.custom_op("ember::packed_sdpa", mutates_args=())
+def packed_sdpa(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
+    """packed_attention where the native kernel does not run: varlen_attention's SDPA path."""
     n_q = qkv.shape[1] - 2 * n_kv
     q, k, v = qkv.split((n_q, n_kv, n_kv), dim=1)
-    kernel = attention_kernel()
-    if kernel is not None and _native_fits(q, k, v):
-        return _native(kernel, q, k, v, cu, int((cu[1:] - cu[:-1]).max()), causal)
     return varlen_attention(q, k, v, (cu[1:] - cu[:-1]).tolist(), causal)
 
 
-@packed_attention.register_fake
+@packed_sdpa.register_fake
 def _(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
     return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * n_kv, qkv.shape[2]))
 
@@ -139,7 +144,7 @@ def varlen_attention(
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
     kernel = attention_kernel()
     if kernel is not None and _native_fits(q, k, v):
-        return _native(kernel, q, k, v, seq_offsets(seqlens), max(seqlens), causal)
+        return _native(kernel, q, k, v, seq_offsets(seqlens), causal)
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)

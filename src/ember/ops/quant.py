@@ -26,7 +26,7 @@ from torch import nn
 
 from ember.ops.fused import silu_mul
 from ember.ops.linear import replace_linears
-from ember.ops.native import check_status, int8_gemm_kernel
+from ember.ops.native import int8_gemm_kernel
 
 __all__ = [
     "Int8Linear",
@@ -56,10 +56,12 @@ def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: 
     return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
 
-_X_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the kernel's x_type
+torch.library.define(
+    "ember::int8_gemm",
+    "(Tensor x, Tensor tiles, Tensor w_scale, Tensor? x_scale, Tensor? bias, ScalarType out_dtype, bool glu) -> Tensor",
+)
 
 
-@torch.library.custom_op("ember::int8_gemm", mutates_args=())
 def int8_gemm(
     x: torch.Tensor,
     tiles: torch.Tensor,
@@ -69,30 +71,19 @@ def int8_gemm(
     out_dtype: torch.dtype,
     glu: bool,
 ) -> torch.Tensor:
-    """(T, K) activations @ weights in the native kernel's tile layout (pack_tiles), times the weights' scales
-    (N,) and the tokens', plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
+    """(T, K) activations @ weights in the native kernel's tile layout (pack_tiles), times the weights' float32
+    scales (N,) and the tokens', plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
     once. x is int8 with its tokens' scales x_scale (T, 1), or bf16 / float32 with x_scale None, which the
     kernel quantises per token itself (as _quantize_tokens does). With glu, for weights whose gates and ups
-    alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2)."""
-    kernel = int8_gemm_kernel()
-    assert kernel is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    x_scale = None if x_scale is None else x_scale.float().contiguous()
-    t, k = x.shape
-    n = w_scale.shape[0]
-    width = n // 2 if glu else n
-    out = torch.empty((t, width), dtype=out_dtype)
-    status = kernel.ember_int8_gemm(
-        x.data_ptr(), _X_TYPES.get(x.dtype, -1), t, k, x.stride(0), tiles.data_ptr(), n, w_scale.data_ptr(),
-        None if x_scale is None else x_scale.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), width, int(out_dtype == torch.float32), int(glu),
-    )  # fmt: skip
-    check_status(status, f"int8 product (T, K, N) = {(t, k, n)} on {x.dtype}")
-    return out
+    alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2).
+
+    The operator ember::int8_gemm, implemented in C++ by the native library (csrc/int8_gemm.cpp registers it
+    when ember.ops.native.build_kernels loads it), so compiled regions call it without Python."""
+    assert int8_gemm_kernel() is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
+    return torch.ops.ember.int8_gemm(x, tiles, w_scale, x_scale, bias, out_dtype, glu)
 
 
-@int8_gemm.register_fake
+@torch.library.register_fake("ember::int8_gemm")
 def _(
     x: torch.Tensor,
     tiles: torch.Tensor,
@@ -186,7 +177,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
-            y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
+            y = torch.ops.ember.int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
             return _deinterleave_glu(y) if self.glu else y
         xq, xs = _quantize_tokens(x)
         if self.onednn:
@@ -202,7 +193,7 @@ class Int8Linear(nn.Module):
         """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
         w = self.qweight
         if w.dim() == 5 and self.glu:
-            return int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
+            return torch.ops.ember.int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
         return silu_mul(self(x))
 
 
