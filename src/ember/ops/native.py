@@ -3,9 +3,12 @@
 - attention.cpp: flash attention over packed sequences, bf16 (ember.ops.attention);
 - int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant).
 
+Loading a library also registers its torch operator (ember::native_attention, ember::int8_gemm; their
+schemas are defined in Python), which compiled regions call through the dispatcher without Python.
+
 Each is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
 uses this CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`.
-The builds (about 6 s each) run on the kernel-compiling thread beside serving; until a kernel is
+The builds (about 12 s for both here) run on the kernel-compiling thread beside serving; until a kernel is
 loaded, and on any machine where it cannot be built or run (no compiler, no AMX, another OS), its
 callers use torch's own ops (SDPA; oneDNN's int8 matmul) as before. Libraries are cached under
 $EMBER_CACHE_DIR (default ~/.cache/ember), keyed by the source, torch's version and the CPU's flags,
