@@ -22,8 +22,8 @@ def kernel() -> ctypes.CDLL:
 
 
 def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool):
-    """The kernel itself, whatever varlen_attention would choose."""
-    return attention._native(kernel, q, k, v, attention.seq_offsets(seqlens), causal)
+    """The kernel itself (its operator, which loading the library registered), whatever varlen_attention would choose."""
+    return torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), causal)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool) -> torch.Tensor:

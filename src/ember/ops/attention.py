@@ -20,7 +20,6 @@ attention would need a key mask for it, so only groups padded (and masked) anywa
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.ops.native import attention_kernel, check_status
+from ember.ops.native import attention_kernel
 
 __all__ = ["group_by_length", "packed_attention", "seq_offsets", "varlen_attention"]
 
@@ -53,21 +52,6 @@ def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-def _native(
-    kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool
-) -> torch.Tensor:
-    """The native kernel on q, k, v in place; it picks its block shape by the longest sequence."""
-    t, hq, d = q.shape
-    out = torch.empty((t, hq, d), dtype=q.dtype)
-    status = kernel.ember_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cu.data_ptr(),
-        cu.shape[0] - 1, hq, k.shape[1], d, q.stride(0), k.stride(0), v.stride(0),
-        int(causal), d**-0.5, -1,
-    )  # fmt: skip
-    check_status(status, f"attention q {tuple(q.shape)}, k {tuple(k.shape)}")
-    return out
-
-
 def seq_offsets(seqlens: list[int]) -> torch.Tensor:
     """Where each sequence starts, and the total: (B + 1,) int64 (cu_seqlens), the same for every layer of a
     forward (cached)."""
@@ -79,12 +63,12 @@ def _offsets(seqlens: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int64)
 
 
-torch.library.define("ember::native_attention", "(Tensor qkv, Tensor cu, int n_kv, bool causal) -> Tensor")
+torch.library.define("ember::native_attention", "(Tensor q, Tensor k, Tensor v, Tensor cu, bool causal) -> Tensor")
 
 
 @torch.library.register_fake("ember::native_attention")
-def _(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
-    return qkv.new_empty((qkv.shape[0], qkv.shape[1] - 2 * n_kv, qkv.shape[2]))
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def packed_attention(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
@@ -94,8 +78,9 @@ def packed_attention(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: boo
     native kernel registered in C++ by its library (no Python per call), where it runs; else
     ember::packed_sdpa."""
     n_q = qkv.shape[1] - 2 * n_kv
-    if attention_kernel() is not None and _native_fits(*qkv.split((n_q, n_kv, n_kv), dim=1)):
-        return torch.ops.ember.native_attention(qkv, cu, n_kv, causal)
+    q, k, v = qkv.split((n_q, n_kv, n_kv), dim=1)
+    if attention_kernel() is not None and _native_fits(q, k, v):
+        return torch.ops.ember.native_attention(q, k, v, cu, causal)
     return packed_sdpa(qkv, cu, n_kv, causal)
 
 
@@ -142,9 +127,8 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
 ) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
-    kernel = attention_kernel()
-    if kernel is not None and _native_fits(q, k, v):
-        return _native(kernel, q, k, v, seq_offsets(seqlens), causal)
+    if attention_kernel() is not None and _native_fits(q, k, v):
+        return torch.ops.ember.native_attention(q, k, v, seq_offsets(seqlens), causal)
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)

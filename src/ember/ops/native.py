@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,24 +34,11 @@ import torch
 
 from ember.hardware import cpu_flags
 
-__all__ = ["attention_kernel", "build_kernels", "check_status", "int8_gemm_kernel", "native_enabled"]
+__all__ = ["attention_kernel", "build_kernels", "int8_gemm_kernel", "native_enabled"]
 
 log = logging.getLogger("ember.native")
 
 _CSRC = Path(__file__).with_name("csrc")
-
-
-def _attention_signature(lib: ctypes.CDLL) -> None:
-    lib.ember_attention.restype = ctypes.c_int
-    lib.ember_attention.argtypes = (
-        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
-    )
-
-
-def _int8_gemm_signature(lib: ctypes.CDLL) -> None:
-    lib.ember_int8_gemm.restype = ctypes.c_int
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ember_int8_gemm.argtypes = [p, i32, i64, i64, i64, p, i64, p, p, p, p, i64, i32, i32]
 
 
 @dataclass(frozen=True)
@@ -60,15 +46,14 @@ class _Kernel:
     name: str  # csrc/<name>.cpp, and the exported ember_<name>_usable()
     switch: str  # the environment variable that turns it off
     needs: frozenset[str]  # CPU flags
-    signature: Callable[[ctypes.CDLL], None]
     fallback: str  # what runs instead, for the log
 
 
 _KERNELS = (
     _Kernel("attention", "EMBER_NATIVE_ATTENTION", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}),
-            _attention_signature, "attention uses torch's SDPA"),
+            "attention uses torch's SDPA"),
     _Kernel("int8_gemm", "EMBER_NATIVE_INT8", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}),
-            _int8_gemm_signature, "int8 layers use oneDNN"),
+            "int8 layers use oneDNN"),
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -89,15 +74,6 @@ def attention_kernel() -> ctypes.CDLL | None:
 def int8_gemm_kernel() -> ctypes.CDLL | None:
     """The int8 matrix-product library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("int8_gemm")
-
-
-def check_status(status: int, call: str) -> None:
-    """What every kernel's entry point returns: 0 done, 1 shapes it does not take, 2 no memory for its
-    working buffers (a MemoryError fails that batch alone; the server goes on)."""
-    if status == 2:
-        raise MemoryError(f"native {call}: no memory for its working buffers")
-    if status != 0:
-        raise RuntimeError(f"native {call}: shapes refused")
 
 
 def build_kernels() -> dict[str, ctypes.CDLL]:
@@ -129,7 +105,6 @@ def _build(kernel: _Kernel) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native %s could not be built (%s); %s", kernel.name, exc, kernel.fallback)
         return None
-    kernel.signature(lib)
     if getattr(lib, f"ember_{kernel.name}_usable")() != 1:
         log.info("native %s: the kernel may not use AMX tiles here; %s", kernel.name, kernel.fallback)
         return None

@@ -56,31 +56,18 @@ def _(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, out_dtype: 
     return xq.new_empty((xq.shape[0], w_scale.shape[0]), dtype=out_dtype)
 
 
+# int8_gemm(x, tiles, w_scale, x_scale, bias, out_dtype, glu): (T, K) activations @ weights in the native kernel's
+# tile layout (pack_tiles), times the weights' float32 scales (N,) and the tokens', plus a float32 bias (N,) if
+# any: (T, N) in out_dtype (bf16 or float32), rounded once. x is int8 with its tokens' scales x_scale (T, 1), or
+# bf16 / float32 with x_scale None, which the kernel quantises per token itself (as _quantize_tokens does). With
+# glu, for weights whose gates and ups alternate in blocks of 16 channels (interleave_glu): silu(gate) * up,
+# (T, N / 2). Implemented in C++ by the native library (csrc/int8_gemm.cpp registers it when
+# ember.ops.native.build_kernels loads it), so compiled regions call it without Python.
 torch.library.define(
     "ember::int8_gemm",
     "(Tensor x, Tensor tiles, Tensor w_scale, Tensor? x_scale, Tensor? bias, ScalarType out_dtype, bool glu) -> Tensor",
 )
-
-
-def int8_gemm(
-    x: torch.Tensor,
-    tiles: torch.Tensor,
-    w_scale: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    glu: bool,
-) -> torch.Tensor:
-    """(T, K) activations @ weights in the native kernel's tile layout (pack_tiles), times the weights' float32
-    scales (N,) and the tokens', plus a float32 bias (N,) if any: (T, N) in out_dtype (bf16 or float32), rounded
-    once. x is int8 with its tokens' scales x_scale (T, 1), or bf16 / float32 with x_scale None, which the
-    kernel quantises per token itself (as _quantize_tokens does). With glu, for weights whose gates and ups
-    alternate in blocks of 16 channels (interleave_glu): silu(gate) * up, (T, N / 2).
-
-    The operator ember::int8_gemm, implemented in C++ by the native library (csrc/int8_gemm.cpp registers it
-    when ember.ops.native.build_kernels loads it), so compiled regions call it without Python."""
-    assert int8_gemm_kernel() is not None, "int8_gemm needs ember's native int8 kernel (ember.ops.native.build_kernels)"
-    return torch.ops.ember.int8_gemm(x, tiles, w_scale, x_scale, bias, out_dtype, glu)
+int8_gemm = torch.ops.ember.int8_gemm
 
 
 @torch.library.register_fake("ember::int8_gemm")
@@ -177,7 +164,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
-            y = torch.ops.ember.int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
+            y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
             return _deinterleave_glu(y) if self.glu else y
         xq, xs = _quantize_tokens(x)
         if self.onednn:
@@ -193,7 +180,7 @@ class Int8Linear(nn.Module):
         """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
         w = self.qweight
         if w.dim() == 5 and self.glu:
-            return torch.ops.ember.int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
+            return int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
         return silu_mul(self(x))
 
 

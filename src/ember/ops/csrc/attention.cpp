@@ -420,24 +420,25 @@ int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, cons
 
 }  // extern "C"
 
-// The kernel as torch's operator ember::native_attention(qkv, cu, n_kv, causal) (schema and shape function:
-// ember.ops.attention) on a packed (T, Hq + 2 Hkv, D) projection, so compiled regions call it through the
-// dispatcher with no Python in between (~45 us a call through Python).
+// The kernel as torch's operator ember::native_attention(q, k, v, cu, causal) (schema and shape function:
+// ember.ops.attention), its one entry from Python: compiled regions call it through the dispatcher with no
+// Python in between (~45 us a call through Python).
 namespace {
 
-at::Tensor native_attention_op(const at::Tensor& qkv, const at::Tensor& cu_in, int64_t n_kv, bool causal) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kBFloat16, "native_attention: qkv must be (T, H, D) bf16");
-  const int64_t t = qkv.size(0), d = qkv.size(2), hq = qkv.size(1) - 2 * n_kv;
-  TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == d, "native_attention: heads must be contiguous");
+at::Tensor native_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_in,
+                               bool causal) {
+  const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->stride(2) == 1 && x->stride(1) == d,
+                "native_attention: q, k, v must be (T, H, D) bf16 with each token's heads contiguous");
   const at::Tensor cu = cu_in.to(at::kLong).contiguous();
-  at::Tensor out = at::empty({t, hq, d}, qkv.options());
-  const bf16* q = static_cast<const bf16*>(qkv.data_ptr());
-  const int64_t st = qkv.stride(0);
-  const int status = ember_attention(q, q + hq * d, q + (hq + n_kv) * d, static_cast<bf16*>(out.data_ptr()),
-                                     cu.data_ptr<int64_t>(), cu.size(0) - 1, hq, n_kv, d, st, st, st, causal ? 1 : 0,
-                                     static_cast<float>(1.0 / std::sqrt(double(d))), -1);  // d**-0.5, as from Python
+  at::Tensor out = at::empty({t, hq, d}, q.options());
+  const auto ptr = [](const at::Tensor& x) { return static_cast<const bf16*>(x.data_ptr()); };
+  const int status = ember_attention(ptr(q), ptr(k), ptr(v), static_cast<bf16*>(out.data_ptr()), cu.data_ptr<int64_t>(),
+                                     cu.size(0) - 1, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), causal ? 1 : 0,
+                                     static_cast<float>(1.0 / std::sqrt(double(d))), -1);
   TORCH_CHECK_WITH(OutOfMemoryError, status != 2, "native attention: no memory for its working buffers");
-  TORCH_CHECK(status == 0, "native attention on (T, H, D) = (", t, ", ", qkv.size(1), ", ", d, "): shapes refused");
+  TORCH_CHECK(status == 0, "native attention on q (", t, ", ", hq, ", ", d, "), ", hkv, " kv heads: shapes refused");
   return out;
 }
 
