@@ -50,8 +50,10 @@ CASES = [
     ((16, 8, 128), [1, 63, 64, 65, 200]),
     ((6, 2, 64), [129, 5, 300, 128]),
     ((4, 4, 32), [250, 17]),
-    ((16, 8, 128), [2100, 40]),  # blocks of 64 query rows x 128 keys
+    ((16, 8, 128), [2100, 40]),  # blocks of 32 query rows x 128 keys
     ((16, 8, 128), [20, 20, 20, 1, 15, 63]),  # under 64 tokens: blocks of 32 x 32
+    ((16, 8, 128), [100, 64, 3]),  # under 128 tokens: 32 x 64
+    ((4, 2, 64), [6200, 70]),  # from 6,144 tokens: 64 x 256
     ((12, 12, 32), [5, 31, 32, 33, 2]),  # all-MiniLM-L6-v2's heads
 ]
 
@@ -67,6 +69,17 @@ def test_matches_float32_attention(
     assert ((got - want).abs() <= 0.01 + 0.01 * want.abs()).all()  # bf16 keeps 8 bits: 0.4% per rounding
     cos = F.cosine_similarity(got.flatten(1), want.flatten(1))
     assert cos.min().item() > 0.9999
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_late_key_far_above_the_earlier_ones(kernel: ctypes.CDLL, causal: bool) -> None:
+    """Rows whose later key blocks score far above their first (the softmax's reference is raised, and a
+    one-pass block is redone): still float32 attention's result."""
+    q, k, v = _packed([700], 16, 8, 128, seed=3)
+    k[600:610] *= 6  # scores of keys 600-609 reach ~6x the others'
+    got = _native(kernel, q, k, v, [700], causal).float()
+    want = _reference(q, k, v, [700], causal)
+    assert ((got - want).abs() <= 0.01 + 0.01 * want.abs()).all()
 
 
 def test_causal_and_bidirectional_differ(kernel: ctypes.CDLL) -> None:

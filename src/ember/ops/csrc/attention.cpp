@@ -9,12 +9,15 @@
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
 //   - causal blocks end at the diagonal (torch computes whole 512-key blocks, so at <= 512 tokens it
 //     does the masked half of the work too);
-//   - exp as 2^x: one FMA into base 2, a degree-5 polynomial and a scalef; the running max is raised
-//     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows.
-//   - blocks sized to the batch: 32 x 32 for short sequences (a query of 20 tokens computes 1/4 of a
-//     64 x 64 block's work), 64 x 64, and 64 x 128 keys for long ones; a partly empty key block (the
-//     end of a sequence, or the diagonal) is computed only up to the next multiple of 32 keys, and the
-//     first block's P V writes the output rows instead of adding to zeros.
+//   - exp as 2^x: one FMA into base 2, a degree-3 polynomial and a scalef; the running max is raised
+//     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows, and a row's
+//     later blocks take one pass over their scores (checking that bound as they go) instead of two;
+//   - blocks sized to the batch (query rows x keys): 32 x 32 for short sequences (a query of 20 tokens
+//     computes 1/4 of a 64 x 64 block's work), 32 x 64, 32 x 128 (a work item's scores, probabilities and
+//     output rows stay in L1), and 64 x 256 for long ones (each item streams every key block before it,
+//     so from ~6,000 tokens taller items read the keys and values from memory half as often); a partly
+//     empty key block (the end of a sequence, or the diagonal) is computed only up to the next multiple
+//     of 32 keys, and the first block's P V writes the output rows instead of adding to zeros.
 // One parallel region per call: the threads first pack K and V of the whole batch (into a buffer freed
 // on return), then take work items (sequence, kv head, query block: the query heads sharing a kv head
 // go together) from one atomic counter, a few at a time, longest sequences first, so they stay
@@ -113,13 +116,47 @@ inline __m512 load_scores(const float* s, int64_t j, int64_t keep) {
   return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
 }
 
+// 2^t for t <= 8 (and far below -126 clamped to 2^-126): t = n + f, f in [-0.5, 0.5], 2^f by a degree-3
+// polynomial (relative error 1.1e-4, under bf16's rounding of 3.9e-3), times 2^n by scalef.
+inline __m512 exp2_approx(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05459283f), f, _mm512_set1_ps(0.24221838f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69336869f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Scores -> bf16 probabilities for one row of n (a multiple of 32), of which the first `keep` are unmasked,
 // in base 2: p = 2^(s * c - ref), c = scale * log2 e.
 // `ref` (in/out) is the row's running reference: the largest scaled score seen, raised lazily: only
 // when a block's max exceeds it by more than 8 (so p <= 256, exact enough in fp32 sums and bf16).
 // Returns the factor (2^(old ref - new ref), 1 when unchanged) that earlier sums and outputs need,
-// and adds this row's p to `sum` after scaling it by that factor.
-inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float c, float& ref, float& sum) {
+// and adds this row's p to `sum` (16 partial sums) after scaling it by that factor.
+// With a reference already set the row takes one pass, checking as it goes that no score exceeds it by
+// more than 8, and is redone with the new reference when one does (rare after a row's first block).
+inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float c, float& ref, float* sum) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m512 vc = _mm512_set1_ps(c);
+  if (ref != kNegInf) {
+    const __m512 off = _mm512_set1_ps(-ref);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 top = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < n; j += 32) {
+      const __m512 t0 = _mm512_fmadd_ps(load_scores(s, j, keep), vc, off);
+      const __m512 t1 = _mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off);
+      top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
+      const __m512 p0 = exp2_approx(t0), p1 = exp2_approx(t1);
+      acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
+      __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
+      std::memcpy(p + j, &packed, sizeof(packed));
+    }
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(8.f), _CMP_GT_OQ) == 0) {
+      _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_add_ps(acc0, acc1)));
+      return 1.f;
+    }
+  }
   __m512 m0 = load_scores(s, 0, keep), m1 = load_scores(s, 16, keep);
   for (int64_t j = 32; j < n; j += 32) {
     m0 = _mm512_max_ps(m0, load_scores(s, j, keep));
@@ -128,33 +165,19 @@ inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float
   const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * c;
   float factor = 1.f;
   if (mx > ref + 8.f) {
-    factor = ref == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(ref - mx);
+    factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
     ref = mx;
   }
-  const __m512 vc = _mm512_set1_ps(c), off = _mm512_set1_ps(-ref);
-  const __m512 lo = _mm512_set1_ps(-126.f), one = _mm512_set1_ps(1.f);
-  const __m512 c1 = _mm512_set1_ps(0.6931471806f), c2 = _mm512_set1_ps(0.2402265070f),
-               c3 = _mm512_set1_ps(0.0555041087f), c4 = _mm512_set1_ps(0.0096181291f),
-               c5 = _mm512_set1_ps(0.0013333558f);
+  const __m512 off = _mm512_set1_ps(-ref);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 32) {
-    // t <= 8; masked scores are -inf and clamp to 2^-126, far below what bf16 sums can see
-    __m512 t0 = _mm512_max_ps(_mm512_fmadd_ps(load_scores(s, j, keep), vc, off), lo);
-    __m512 t1 = _mm512_max_ps(_mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off), lo);
-    __m512 n0 = _mm512_roundscale_ps(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 n1 = _mm512_roundscale_ps(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f0 = _mm512_sub_ps(t0, n0), f1 = _mm512_sub_ps(t1, n1);  // in [-0.5, 0.5]
-    __m512 p0 = _mm512_fmadd_ps(c5, f0, c4), p1 = _mm512_fmadd_ps(c5, f1, c4);
-    p0 = _mm512_fmadd_ps(p0, f0, c3), p1 = _mm512_fmadd_ps(p1, f1, c3);
-    p0 = _mm512_fmadd_ps(p0, f0, c2), p1 = _mm512_fmadd_ps(p1, f1, c2);
-    p0 = _mm512_fmadd_ps(p0, f0, c1), p1 = _mm512_fmadd_ps(p1, f1, c1);
-    p0 = _mm512_fmadd_ps(p0, f0, one), p1 = _mm512_fmadd_ps(p1, f1, one);
-    p0 = _mm512_scalef_ps(p0, n0), p1 = _mm512_scalef_ps(p1, n1);
+    const __m512 p0 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j, keep), vc, off));
+    const __m512 p1 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off));
     acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
     __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
     std::memcpy(p + j, &packed, sizeof(packed));
   }
-  sum = sum * factor + _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(factor), _mm512_add_ps(acc0, acc1)));
   return factor;
 }
 
@@ -235,7 +258,7 @@ struct Scratch {
   std::vector<int64_t> qld;
   void resize(int64_t rows, int64_t keys, int64_t d) {
     qbuf.resize(rows * d), probs.resize(rows * keys), scores.resize(rows * keys), acc.resize(rows * d);
-    row_max.resize(rows), row_sum.resize(rows), qrow.resize(rows / 16), qld.resize(rows / 16);
+    row_max.resize(rows), row_sum.resize(rows * 16), qrow.resize(rows / 16), qld.resize(rows / 16);
   }
 };
 thread_local Scratch t_scratch;
@@ -307,7 +330,7 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
     }
   }
   std::fill(w.row_max.begin(), w.row_max.begin() + rows_all, kNegInf);
-  std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all, 0.f);
+  std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all * 16, 0.f);
   const RowTiles queries{w.qrow.data(), w.qld.data(), nullptr, 0};
   const RowTiles probs{nullptr, nullptr, w.probs.data(), BN};
   for (int64_t b = 0; b < item.kvblocks; ++b) {
@@ -323,7 +346,7 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
       if (r >= rows) continue;
       const float* srow = w.scores.data() + x * BN;
       const int64_t keep = a.causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
-      const float factor = softmax_row(srow, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum[x]);
+      const float factor = softmax_row(srow, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum.data() + x * 16);
       if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
     }
     const bf16* vb = a.vpack + i * a.block;
@@ -332,7 +355,8 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
   }
   for (int64_t x = 0; x < rows_all; ++x) {
     const int64_t h = g * a.group + x / BM, r = x % BM;
-    if (r < rows) store_row(w.acc.data() + x * d, a.out + ((a.cu[s] + m0 + r) * a.hq + h) * d, d, 1.f / w.row_sum[x]);
+    if (r < rows) store_row(w.acc.data() + x * d, a.out + ((a.cu[s] + m0 + r) * a.hq + h) * d, d,
+                            1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w.row_sum.data() + x * 16)));
   }
 }
 
@@ -391,10 +415,10 @@ int ember_attention_usable() {
 }
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
-// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks: 0 for 32 x 32 (query rows x keys),
-// 1 for 64 x 64, 2 for 64 x 128, -1 to choose by the longest sequence: 32 x 32 below 64 tokens (twice as fast
-// as 64 x 64 on 8 queries of 20 tokens), 64 x 128 from 2,048. Returns 0; 1 for unsupported shapes; 2 when its
-// buffers cannot be allocated.
+// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for
+// 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the longest sequence: each is the fastest measured
+// below 64, 128, 6,144 tokens and beyond (session 13, docs/benchmarks.md). Returns 0; 1 for unsupported
+// shapes; 2 when its buffers cannot be allocated.
 int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
                     int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
                     int blocks) {
@@ -402,14 +426,15 @@ int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, cons
   if (blocks < 0) {
     int64_t longest = 0;
     for (int64_t s = 0; s < nseq; ++s) longest = std::max(longest, cu[s + 1] - cu[s]);
-    blocks = longest < 64 ? 0 : longest < 2048 ? 1 : 2;
+    blocks = longest < 64 ? 0 : longest < 128 ? 1 : longest < 6144 ? 2 : 3;
   }
   const bool c = causal != 0;
   try {  // no exception may cross into ctypes (it would terminate the process)
     switch (blocks) {  // query rows x keys per block
       case 0: attend<32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 1: attend<64, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 2: attend<64, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 1: attend<32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 2: attend<32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 3: attend<64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
       default: return 1;
     }
   } catch (const std::bad_alloc&) {
