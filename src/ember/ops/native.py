@@ -1,19 +1,21 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
 - attention.cpp: flash attention over packed sequences, bf16 (ember.ops.attention);
-- int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant).
+- int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant);
+- elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
-Loading a library also registers its torch operator (ember::native_attention, ember::int8_gemm; their
-schemas are defined in Python), which compiled regions call through the dispatcher without Python.
+Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
+ember::silu_mul, ember::qk_norm_rope; their schemas are defined in Python), which compiled regions call
+through the dispatcher without Python.
 
 Each is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
 uses this CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`.
-The builds (about 12 s for both here) run on the kernel-compiling thread beside serving; until a kernel is
+The builds (about 18 s for the three here) run on the kernel-compiling thread beside serving; until a kernel is
 loaded, and on any machine where it cannot be built or run (no compiler, no AMX, another OS), its
-callers use torch's own ops (SDPA; oneDNN's int8 matmul) as before. Libraries are cached under
+callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels) as before. Libraries are cached under
 $EMBER_CACHE_DIR (default ~/.cache/ember), keyed by the source, torch's version and the CPU's flags,
-so later starts load them in milliseconds. EMBER_NATIVE_ATTENTION=0 / EMBER_NATIVE_INT8=0 switch
-each off.
+so later starts load them in milliseconds. EMBER_NATIVE_ATTENTION=0 / EMBER_NATIVE_INT8=0 /
+EMBER_NATIVE_ELEMENTWISE=0 switch each off.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from ember.hardware import cpu_flags
 
-__all__ = ["attention_kernel", "build_kernels", "int8_gemm_kernel", "native_enabled"]
+__all__ = ["attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel", "native_enabled"]
 
 log = logging.getLogger("ember.native")
 
@@ -54,6 +56,8 @@ _KERNELS = (
             "attention uses torch's SDPA"),
     _Kernel("int8_gemm", "EMBER_NATIVE_INT8", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}),
             "int8 layers use oneDNN"),
+    _Kernel("elementwise", "EMBER_NATIVE_ELEMENTWISE", frozenset({"avx512_bf16", "avx512bw", "avx512f"}),
+            "SwiGLU and q/k norm + rotary use torch.compile's kernels"),
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -74,6 +78,11 @@ def attention_kernel() -> ctypes.CDLL | None:
 def int8_gemm_kernel() -> ctypes.CDLL | None:
     """The int8 matrix-product library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("int8_gemm")
+
+
+def elementwise_kernel() -> ctypes.CDLL | None:
+    """The bf16 elementwise library (SwiGLU, q/k norm + rotary), once `build_kernels` has built it; else None."""
+    return _loaded.get("elementwise")
 
 
 def build_kernels() -> dict[str, ctypes.CDLL]:
@@ -106,7 +115,7 @@ def _build(kernel: _Kernel) -> ctypes.CDLL | None:
         log.warning("native %s could not be built (%s); %s", kernel.name, exc, kernel.fallback)
         return None
     if getattr(lib, f"ember_{kernel.name}_usable")() != 1:
-        log.info("native %s: the kernel may not use AMX tiles here; %s", kernel.name, kernel.fallback)
+        log.info("native %s: the kernel may not run here; %s", kernel.name, kernel.fallback)
         return None
     return lib
 
@@ -123,7 +132,7 @@ def _library(compiler: str, source: Path) -> Path:
     compiled into it."""
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256()
-    headers = sorted(source.parent.glob("*.h"))  # what the sources include (amx.h)
+    headers = sorted(source.parent.glob("*.h"))  # what the sources include (amx.h, vec.h)
     for part in (
         source.read_bytes(),
         *(h.read_bytes() for h in headers),

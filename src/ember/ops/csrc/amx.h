@@ -7,9 +7,11 @@
 
 #include <cstdint>
 
+#include "vec.h"
+
 namespace ember_amx {
 
-using bf16 = uint16_t;  // bfloat16 bits
+using ember_vec::bf16;
 
 // Every tile is 16 rows x 64 bytes: a 16 x 32 bf16 or 16 x 64 int8 operand, or a 16 x 16 fp32 / int32 result.
 struct TileConfig {

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -42,38 +43,23 @@ namespace {
 constexpr int64_t kTile = 1024;          // bytes per packed weight tile: 16 rows (of 4 inputs) x 16 channels x 4
 constexpr int64_t kChunkBytes = 256 << 10;  // activations per token chunk: a quarter of L2
 
-// 2^t for t in [-126, 126]: one rounding, a degree-5 polynomial on the fraction, a scalef (as attention.cpp).
-inline __m512 exp2_ps(__m512 t) {
-  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013333558f), f, _mm512_set1_ps(0.0096181291f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Rows of a 16 x 32 int32 block (row stride 32) -> out, times the channels' and tokens' scales, plus the
 // channels' bias where there is one (bias: nullptr).
 // Glu: the block's first 16 channels are gates and the next 16 their up projections (pack order of a
-// SwiGLU layer); writes the 16 values silu(gate) * up = gate * up / (1 + 2^(-gate log2 e)). The
-// reciprocal is rcp14's (relative error < 2^-14, far inside the bf16 rounding or int8 step after it).
+// SwiGLU layer); writes the 16 values silu(gate) * up (vec.h: exp2 by a polynomial, rcp14's reciprocal, far
+// inside the bf16 rounding or int8 step after it).
 template <typename Out, bool Glu>
 void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs, const float* bias, Out* out,
                 int64_t ldo) {
   const __m512 s0 = _mm512_loadu_ps(ws), s1 = _mm512_loadu_ps(ws + 16);
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f), one = _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 t = _mm512_set1_ps(xs[r]);
     const __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32)), s0), t, b0);
     const __m512 b = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 32 + 16)), s1), t, b1);
     if constexpr (Glu) {
-      const __m512 sig = _mm512_rcp14_ps(_mm512_add_ps(one, exp2_ps(_mm512_mul_ps(a, minus_log2e))));
-      const __m512 h = _mm512_mul_ps(_mm512_mul_ps(a, b), sig);
+      const __m512 h = ember_vec::silu_mul_ps(a, b);
       if constexpr (sizeof(Out) == 2)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo), (__m256i)_mm512_cvtneps_pbh(h));
       else
@@ -89,9 +75,7 @@ void store_rows(const int32_t* c, int64_t rows, const float* ws, const float* xs
 
 // 16 values of a row of activations, as float32.
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const bf16* x) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
+inline __m512 load16(const bf16* x) { return ember_vec::load_bf16(x); }
 
 // One token's K activations -> int8 in the tile buffer (64 inputs per k step, kTile bytes apart), quantised
 // symmetrically as ember.ops.quant._quantize_tokens does, to the bit: q = round(x * (127 / amax)) with

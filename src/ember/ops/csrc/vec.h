@@ -1,0 +1,41 @@
+// What ember's AVX-512 kernels share: 2^x, and bf16 <-> float32 for 16 values.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace ember_vec {
+
+using bf16 = uint16_t;  // bfloat16 bits
+
+// 2^t for t in [-126, 126]: one rounding, a degree-5 polynomial on the fraction (relative error ~3e-6), a scalef.
+inline __m512 exp2_ps(__m512 t) {
+  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013333558f), f, _mm512_set1_ps(0.0096181291f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(a) * b = a * b / (1 + 2^(-a log2 e)); the reciprocal is rcp14's (relative error < 2^-14, far inside
+// a bf16 rounding).
+inline __m512 silu_mul_ps(__m512 a, __m512 b) {
+  const __m512 e = exp2_ps(_mm512_mul_ps(a, _mm512_set1_ps(-1.4426950408889634f)));
+  return _mm512_mul_ps(_mm512_mul_ps(a, b), _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
+
+// 16 bf16 values (the first `n` of them; the rest read as 0) as float32, and back (rounded to nearest even).
+inline __m512 load_bf16(const bf16* x, __mmask16 n = 0xffff) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, x)), 16));
+}
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+inline void store_bf16(bf16* y, __m512 v, __mmask16 n = 0xffff) {
+  _mm256_mask_storeu_epi16(y, n, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+}  // namespace ember_vec

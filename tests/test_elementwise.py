@@ -1,0 +1,53 @@
+"""ember's native elementwise operators (ops/csrc/elementwise.cpp) against the functions they stand in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ember.ops.native as native
+from ember.ops import fused
+from ember.ops.rope import rope_cos_sin
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if native.build_kernels().get("elementwise") is None:
+        pytest.skip("the native elementwise kernels cannot run on this machine (they need g++, x86-64 Linux, AVX-512 BF16)")
+
+
+@pytest.mark.parametrize(("tokens", "width"), [(1, 3072), (7, 3072), (300, 3072), (5, 40), (3, 2)])
+def test_silu_mul_is_float32_swiglu_rounded_once(tokens: int, width: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * width, generator=g) * 3).to(torch.bfloat16)
+    got = torch.ops.ember.silu_mul(gate_up)
+    want = F.silu(gate_up[:, :width].float()) * gate_up[:, width:].float()
+    assert got.shape == (tokens, width) and got.dtype == torch.bfloat16
+    # one bf16 rounding (up to 2^-8 of the value) plus the kernel's exp and reciprocal (~1e-4)
+    assert ((got.float() - want).abs() <= (2**-8 + 1e-4) * want.abs() + 1e-6).all()
+    assert fused.silu_mul(gate_up) is not None and torch.equal(fused.silu_mul(gate_up), got)  # what models call
+
+
+def test_silu_mul_takes_strided_and_batched_inputs() -> None:
+    x = torch.randn(4, 6, 64, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.ember.silu_mul(x), torch.ops.ember.silu_mul(x.reshape(24, 64)).reshape(4, 6, 32))
+    wide = torch.randn(10, 100, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.ember.silu_mul(wide[:, :64]), torch.ops.ember.silu_mul(wide[:, :64].contiguous()))
+
+
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, (16, 8), 128), (37, (16, 8), 128), (300, (6, 2), 64), (9, (4, 4), 256)])
+def test_qk_norm_rope_equals_the_reference_function(tokens: int, heads: tuple[int, int], d: int) -> None:
+    n_q, n_kv = heads
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, n_q + 2 * n_kv, d, generator=g) * 2).to(torch.bfloat16)
+    q_weight = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
+    k_weight = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(tokens) + 11, d, 1e6, torch.bfloat16)
+    got = fused.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)
+    assert torch.equal(got, torch.ops.ember.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6))
+    want = fused._qk_norm_rope.fn(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)  # the torch function, eager
+    assert torch.equal(got[:, n_q + n_kv :], qkv[:, n_q + n_kv :])  # v untouched
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= 2**-7 * want.float().abs() + 1e-6).all()  # at most a bf16 step where float32 sums round apart
+    assert (diff > 0).float().mean() < 1e-3
