@@ -2,8 +2,9 @@
 
 In bf16 on a CPU with AMX, once ember.ops.native has built it, every sequence of a batch goes through
 one call of the native flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place
-and writes the packed output; its blocks are 32 x 32 for batches of short sequences (queries), 64 x 64
-or 64 x 128 keys for longer ones. The rest of this module is the SDPA path, used everywhere else:
+and writes the packed output; its blocks (query rows x keys) are 32 x 32 for batches of short sequences
+(queries), 32 x 64 and 32 x 128 for longer ones, 64 x 256 from ~6,000 tokens. The rest of this module is
+the SDPA path, used everywhere else:
 
 Sequences are laid end to end (T = sum of lengths). Attention runs per group of
 similar-length sequences, padded only within the group, so no full T x T score matrix

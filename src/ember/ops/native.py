@@ -10,7 +10,7 @@ through the dispatcher without Python.
 
 Each is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
 uses this CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`.
-The builds (about 18 s for the three here) run on the kernel-compiling thread beside serving; until a kernel is
+The builds (about 20 s for the three here) run on the kernel-compiling thread beside serving; until a kernel is
 loaded, and on any machine where it cannot be built or run (no compiler, no AMX, another OS), its
 callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels) as before. Libraries are cached under
 $EMBER_CACHE_DIR (default ~/.cache/ember), keyed by the source, torch's version and the CPU's flags,
