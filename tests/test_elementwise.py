@@ -14,7 +14,9 @@ from ember.ops.rope import rope_cos_sin
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
     if native.build_kernels().get("elementwise") is None:
-        pytest.skip("the native elementwise kernels cannot run on this machine (they need g++, x86-64 Linux, AVX-512 BF16)")
+        pytest.skip(
+            "the native elementwise kernels cannot run on this machine (they need g++, x86-64 Linux, AVX-512 BF16)"
+        )
 
 
 @pytest.mark.parametrize(("tokens", "width"), [(1, 3072), (7, 3072), (300, 3072), (5, 40), (3, 2)])
@@ -36,7 +38,9 @@ def test_silu_mul_takes_strided_and_batched_inputs() -> None:
     assert torch.equal(torch.ops.ember.silu_mul(wide[:, :64]), torch.ops.ember.silu_mul(wide[:, :64].contiguous()))
 
 
-@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, (16, 8), 128), (37, (16, 8), 128), (300, (6, 2), 64), (9, (4, 4), 256)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "d"), [(1, (16, 8), 128), (37, (16, 8), 128), (300, (6, 2), 64), (9, (4, 4), 256)]
+)
 def test_qk_norm_rope_equals_the_reference_function(tokens: int, heads: tuple[int, int], d: int) -> None:
     n_q, n_kv = heads
     g = torch.Generator().manual_seed(tokens)
