@@ -23,6 +23,7 @@ maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])
 
 import torch  # noqa: E402
 
+from ember.config import NativeConfig  # noqa: E402
 from ember.ops.native import build_kernels  # noqa: E402
 from ember.ops.quant import int8_gemm, int8_mm, onednn_int8, pack_tiles  # noqa: E402
 
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    if "int8_gemm" not in build_kernels() or not onednn_int8():
+    if not any(k.name == "int8_gemm" and k.active for k in build_kernels(NativeConfig())) or not onednn_int8():
         sys.exit("needs ember's native int8 kernel (AMX int8, g++) and oneDNN's int8 matmul")
     g = torch.Generator().manual_seed(0)
     layers = []

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ember.cli.bench import WORKLOADS
-from ember.engine.build import set_threads
+from ember.engine.cpu import set_threads
 from ember.models.checkpoint import resolve_model
 from ember.resources import cpu_budget
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from ember.engine.build import best_seconds, gemm_gflops, set_threads
+from ember.engine.cpu import best_seconds, gemm_gflops, set_threads
 from ember.models.checkpoint import read_config, resolve_model
 from ember.ops.quant import Int8Linear, int8_mm
 from ember.resources import cpu_budget

@@ -105,7 +105,7 @@ def main() -> None:
     if args.model == "qwen3":
         if not (QWEN_DIR / "model.safetensors").exists():
             subprocess.run(
-                [sys.executable, str(ROOT / "scripts/make_qwen3_model.py"), "--out", str(QWEN_DIR)], check=True
+                [sys.executable, str(ROOT / "benchmarks/make_qwen3_model.py"), "--out", str(QWEN_DIR)], check=True
             )
         model, name = str(QWEN_DIR), "qwen3-0.6b"
         extra = ["--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']

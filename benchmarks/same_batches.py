@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ember import Embedder  # noqa: E402
 from ember.cli.bench import make_texts  # noqa: E402
-from ember.engine.build import set_threads  # noqa: E402
+from ember.engine.cpu import set_threads  # noqa: E402
 from ember.models.checkpoint import DEFAULT_MODEL, resolve_model  # noqa: E402
 from ember.resources import cpu_budget  # noqa: E402
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ember.models.checkpoint import bundled_default_model
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo, PoolingSpec
+from ember.types import KernelStatus, ModelInfo, PoolingSpec
 
 
 def minilm_tokenizer() -> Tokenizer:
@@ -50,6 +50,9 @@ class FakeRunner:
         if self.delay:
             time.sleep(self.delay * sum(len(s) for s in batch))
         return np.stack([self.table[ids].mean(0) for ids in batch])
+
+    def load_kernels(self) -> list[KernelStatus]:
+        return [KernelStatus("attention", False, "this CPU lacks amx_bf16; torch's SDPA instead")]
 
     def compile(self) -> None:
         if self.compile_error is not None:

@@ -214,3 +214,22 @@ def test_client_closed_status_has_an_openai_body():
 
     r = error_response(499, "client closed the request")
     assert r.status_code == 499 and b"ClientClosedRequest" in r.body
+
+
+def test_info_reports_the_model_and_each_kernel_and_metrics_gauge_them(client, runner):
+    for _ in range(500):  # the kernel thread reports once it has run
+        info = client.get("/info").json()
+        if "attention" in info["kernels"]:
+            break
+    assert info["model"] == "fake-model" and info["task"] == "embed" and info["dimension"] == runner.info.dimension
+    assert info["kernels"]["attention"] == {"active": False, "detail": runner.load_kernels()[0].detail}
+    assert info["kernels"]["fused"]["active"] is False
+    metrics = client.get("/metrics").text
+    assert 'ember_kernel_active{kernel="attention"} 0.0' in metrics
+
+
+def test_docs_page_loads_its_assets_from_the_server_not_a_cdn(client):
+    page = client.get("/docs").text
+    assert "cdn.jsdelivr.net" not in page and "unpkg.com" not in page
+    js = [part.split('"')[0] for part in page.split('src="')[1:] if part.split('"')[0].endswith(".js")]
+    assert js and all(client.get(url).status_code == 200 for url in js)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoints import build_bert, build_qwen3
 from ember import Embedder
 from ember.errors import CheckpointError, UnsupportedModelError
 from ember.models.checkpoint import release_mapped_pages, resolve_model
-from ember.testing import build_bert, build_qwen3
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from checkpoints import build_bert, build_qwen3
 from ember import Embedder
 from ember.api.app import create_app
-from ember.config import EngineConfig, PoolerConfig, ServerConfig
+from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig
 from ember.engine.build import build_engine, load
 from ember.engine.chunking import split_windows, truncate
-from ember.testing import build_bert, build_qwen3
 from ember.types import Specials
 
 BERT = Specials((101,), (102,))
@@ -67,8 +67,8 @@ def test_merged_vector_is_the_normalised_token_weighted_mean_of_windows(models, 
 
 def _client(path, chunked, max_len=16):
     pooler = PoolerConfig(enable_chunked_processing=chunked)
-    loaded = load(str(path), dtype="float32", max_model_len=max_len, pooler=pooler)
-    engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=64), pooler)
+    loaded = load(ModelConfig(str(path), dtype="float32", max_model_len=max_len, pooler=pooler, max_batch_tokens=64))
+    engine = build_engine(loaded, EngineConfig())
     return TestClient(create_app(engine, ServerConfig(served_model_names=("m",))), raise_server_exceptions=False)
 
 

@@ -7,13 +7,15 @@ import torch
 import torch.nn.functional as F
 
 import ember.ops.native as native
+from ember.config import NativeConfig
 from ember.ops import fused
 from ember.ops.rope import rope_cos_sin
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    if native.build_kernels().get("elementwise") is None:
+    native.build_kernels(NativeConfig())
+    if native.elementwise_kernel() is None:
         pytest.skip(
             "the native elementwise kernels cannot run on this machine (they need g++, x86-64 Linux, AVX-512 BF16)"
         )

@@ -1,4 +1,7 @@
-"""The async engine on a fake runner: batching, ordering, backpressure, cancellation, failures."""
+"""The async engine on a fake runner: futures, threads, cancellation, failures and kernels.
+
+Scheduling decisions (order, budgets, batch wait) are the pure Scheduler's, tested without a clock in
+test_scheduler.py; here the engine is only waited on for states it reaches, never timed."""
 
 import asyncio
 import threading
@@ -7,13 +10,21 @@ import numpy as np
 import pytest
 
 from ember.config import EngineConfig, PoolerConfig
-from ember.engine import engine as engine_module
 from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.errors import EngineDeadError, OverloadedError, ShuttingDownError
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def until(condition, polls=5000):
+    """Yield to the engine until `condition()` holds (a state it must reach, not a time)."""
+    for _ in range(polls):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the engine never reached the state the test waits for")
 
 
 async def _started(runner, tokenizer, **kw):
@@ -29,7 +40,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_vectors(runner, t
         runner.gate.clear()  # hold the model so requests pile up and share batches
         texts = [f"text number {i} " * (1 + i % 5) for i in range(32)]
         tasks = [asyncio.create_task(engine.embed([t])) for t in texts]
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.queued_requests == len(texts))
         runner.gate.set()
         results = await asyncio.gather(*tasks)
         await engine.stop()
@@ -43,102 +54,14 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_vectors(runner, t
         np.testing.assert_allclose(result.vectors[0], runner.expected(ids), atol=1e-6)
 
 
-def test_batches_respect_token_and_sequence_limits(runner, tokenizer):
-    async def main():
-        engine = await _started(runner, tokenizer, max_num_batched_tokens=20, max_num_seqs=3)
-        runner.gate.clear()
-        tasks = [asyncio.create_task(engine.embed([[7] * 6])) for _ in range(10)]
-        await asyncio.sleep(0.05)
-        runner.gate.set()
-        await asyncio.gather(*tasks)
-        await engine.stop()
-
-    run(main())
-    for batch in runner.batches[1:]:
-        assert len(batch) <= 3 and sum(map(len, batch)) <= 20
-
-
-def test_a_lone_client_does_not_pay_the_batch_wait(runner, tokenizer):
-    async def main():
-        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
-        # one client, one request at a time: nothing else is coming, so none of them waits the 5 s
-        results = [await asyncio.wait_for(engine.embed([[3, 4, 5]]), 2.5) for _ in range(3)]
-        await engine.stop()
-        return results
-
-    results = run(main())
-    assert [len(b) for b in runner.batches[1:]] == [1, 1, 1]
-    assert all(r.queue_seconds < 2.5 for r in results)
-
-
-def test_a_burst_on_an_idle_engine_lands_in_one_batch(runner, tokenizer, monkeypatch):
-    monkeypatch.setattr(engine_module, "_SETTLE_SECONDS", 0.2)  # wide, so a slow CI machine keeps the spacing
-
-    async def main():
-        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
-
-        async def client(i):  # four requests landing 20 ms apart on an engine that ran nothing yet
-            await asyncio.sleep(0.02 * i)
-            return await engine.embed([[30 + i, 2]])
-
-        await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(4))), 2.5)
-        await engine.stop()
-
-    run(main())
-    assert [len(b) for b in runner.batches[1:]] == [4]  # not the first alone, and not after the 5 s
-
-
-def test_closed_loop_clients_share_one_batch_and_do_not_wait_for_more(runner, tokenizer):
-    async def main():
-        engine = await _started(runner, tokenizer, batch_wait_seconds=5.0)
-
-        async def client(i, n):  # each sends its next request when the last one is answered
-            for j in range(n):
-                await engine.embed([[10 + i, 20 + j]])
-
-        runner.gate.clear()
-        clients = [asyncio.create_task(client(0, 4))]  # finds an idle engine: starts at once, alone
-        await asyncio.sleep(0.05)
-        clients += [asyncio.create_task(client(i, 3)) for i in (1, 2, 3)]  # arrive while it runs
-        await asyncio.sleep(0.05)
-        runner.gate.set()
-        await asyncio.wait_for(asyncio.gather(*clients), 2.5)
-        await engine.stop()
-
-    run(main())
-    # four requests have been in flight at once, so the next batches wait for all four clients (not for
-    # the 5 s, and never settling into a batch of three and a batch of one that take turns)
-    assert [len(b) for b in runner.batches[1:]] == [1, 4, 4, 4]
-
-
-def test_short_queries_overtake_a_long_bulk_request(runner, tokenizer):
-    async def main():
-        engine = await _started(runner, tokenizer, max_num_batched_tokens=32, max_num_seqs=1)
-        runner.gate.clear()
-        done = []
-        bulk = asyncio.create_task(engine.embed([[9] * 30] * 20))
-        bulk.add_done_callback(lambda _: done.append("bulk"))
-        await asyncio.sleep(0.02)
-        queries = [asyncio.create_task(engine.embed([[4, 5]])) for _ in range(3)]
-        for q in queries:
-            q.add_done_callback(lambda _: done.append("query"))
-        await asyncio.sleep(0.02)
-        runner.gate.set()
-        await asyncio.gather(bulk, *queries)
-        await engine.stop()
-        return done
-
-    assert run(main()) == ["query", "query", "query", "bulk"]
-
-
 def test_a_cancelled_request_is_never_computed(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer)
         runner.gate.clear()
         first = asyncio.create_task(engine.embed([[1, 2, 3]]))
-        await asyncio.sleep(0.02)  # the first batch is now running (blocked on the gate)
+        await until(lambda: engine.running_seqs == 1)  # the first batch is running (blocked on the gate)
         gone = asyncio.create_task(engine.embed([[11, 12, 13, 14]]))
-        await asyncio.sleep(0.02)
+        await until(lambda: engine.queued_requests == 2)
         gone.cancel()
         runner.gate.set()
         await first
@@ -156,7 +79,7 @@ def test_overload_is_refused_at_once_with_retry_after(runner, tokenizer):
         engine = await _started(runner, tokenizer, max_queued_requests=2, max_queued_tokens=100)
         runner.gate.clear()
         held = [asyncio.create_task(engine.embed([[3] * 10])) for _ in range(2)]
-        await asyncio.sleep(0.02)
+        await until(lambda: engine.queued_requests == 2)
         with pytest.raises(OverloadedError) as e:
             await engine.embed([[3] * 10])
         assert e.value.retry_after >= 1
@@ -164,21 +87,6 @@ def test_overload_is_refused_at_once_with_retry_after(runner, tokenizer):
         await asyncio.gather(*held)
         assert engine.queued_requests == 0 and engine.queued_tokens == 0
         await engine.embed([[3] * 10])  # accepted again once the queue drains
-        await engine.stop()
-
-    run(main())
-
-
-def test_token_budget_of_the_queue_is_enforced(runner, tokenizer):
-    async def main():
-        engine = await _started(runner, tokenizer, max_queued_tokens=50)
-        runner.gate.clear()
-        held = asyncio.create_task(engine.embed([[3] * 30]))
-        await asyncio.sleep(0.02)
-        with pytest.raises(OverloadedError):
-            await engine.embed([[3] * 30])
-        runner.gate.set()
-        await held
         await engine.stop()
 
     run(main())
@@ -256,34 +164,32 @@ def test_kernels_compile_beside_serving_and_a_failed_compile_keeps_serving(runne
     async def main():
         engine = await _started(runner, tokenizer, compile_kernels=True)
         result = await engine.embed(["served while compiling"])
-        for _ in range(200):
-            if engine.kernels != "compiling":
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not _kernel_threads())  # the kernel thread ends with its work (and its OpenMP pool)
         after = await engine.embed(["served after"])
-        for _ in range(200):  # the compile thread ends with its work (and OpenMP's worker pool with it)
-            if not _compile_threads():
-                break
-            await asyncio.sleep(0.01)
         await engine.stop()
         return engine.kernels, result, after
 
     kernels, result, after = run(main())
-    assert kernels == ("failed" if error else "compiled")
+    assert kernels["fused"].active == (error is None)
+    assert kernels["fused"].detail.startswith("compile failed" if error else "torch.compile regions")
+    assert kernels["attention"] == runner.load_kernels()[0]  # the runner's report, as /info and /metrics show it
     assert len(result.vectors) == len(after.vectors) == 1
     assert runner.compiled.is_set() == (error is None)
-    assert _compile_threads() == []
 
 
-def _compile_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("ember-compile")]
+def _kernel_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ember-kernels")]
 
 
-def test_kernels_are_not_compiled_unless_asked(runner, tokenizer):
+def test_kernels_are_not_compiled_unless_asked_but_native_ones_still_load(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer)
         await engine.embed(["x"])
+        await until(lambda: not _kernel_threads())
         await engine.stop()
         return engine.kernels
 
-    assert run(main()) == "eager" and not runner.compiled.is_set()
+    kernels = run(main())
+    assert not runner.compiled.is_set()
+    assert kernels["fused"].detail == "off (--enforce-eager)" and not kernels["fused"].active
+    assert "attention" in kernels  # --enforce-eager governs torch.compile only

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
-from ember.testing import build_bert, build_qwen3
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]  # short and long, mixed
 

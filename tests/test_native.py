@@ -9,13 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import ember.ops.native as native
+from ember.cli.runtime import native_config
+from ember.config import NativeConfig
 from ember.ops import attention
 from ember.ops.attention import varlen_attention
 
 
 @pytest.fixture(scope="module")
 def kernel() -> ctypes.CDLL:
-    lib = native.build_kernels().get("attention")
+    native.build_kernels(NativeConfig())
+    lib = native.attention_kernel()
     if lib is None:
         pytest.skip("the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AMX bf16)")
     return lib
@@ -108,9 +111,9 @@ def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pyt
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_NATIVE_ATTENTION", "0")
-    assert not native.native_enabled("EMBER_NATIVE_ATTENTION")
+    assert not native_config().attention and native_config().elementwise
     monkeypatch.setenv("EMBER_NATIVE_ATTENTION", "1")
-    assert native.native_enabled("EMBER_NATIVE_ATTENTION")
+    assert native_config().attention
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,7 +1,6 @@
 """int8 mode: the kernels against exact integer arithmetic, accuracy against float32 on the real
 MiniLM and on Qwen3, what each model quantises, and compiled against eager."""
 
-import json
 import threading
 import time
 
@@ -9,19 +8,22 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import build_qwen3
 from corpus import DOCUMENTS, QUERIES, SENTENCES
 from ember import Embedder
-from ember.engine.build import int8_parameter_count
+from ember.config import ModelConfig, NativeConfig
+from ember.engine.build import plan
+from ember.models.checkpoint import parameter_count
 from ember.models.qwen3 import Block
 from ember.ops import quant
 from ember.ops.fused import can_compile
-from ember.ops.native import build_kernels
+from ember.ops.native import build_kernels, int8_gemm_kernel
 from ember.ops.quant import Int8Linear, int8_gemm, onednn_int8, pack_tiles, use_native_int8
-from ember.testing import build_qwen3
 
 
 def _native_int8() -> bool:
-    return "int8_gemm" in build_kernels()
+    build_kernels(NativeConfig())
+    return int8_gemm_kernel() is not None
 
 
 @pytest.fixture
@@ -231,11 +233,10 @@ def test_qwen3_int8_stays_close_and_quantises_every_linear_layer(qwen3_path):
     ]
     assert not any(isinstance(m, torch.nn.Linear) for m in modules.values())
     n_int8 = sum(m.in_features * m.out_features for m in modules.values() if isinstance(m, Int8Linear))
-    assert n_int8 == int8_parameter_count(_config(qwen3_path))  # the memory plan's count
-
-
-def _config(path):
-    return json.loads((path / "config.json").read_text())
+    params = parameter_count(qwen3_path)  # the memory plan counts those at one byte, the rest at two
+    assert plan(ModelConfig(str(qwen3_path), dtype="bfloat16", quantization="int8")).memory.weights_bytes == (
+        2 * (params - n_int8) + n_int8
+    )
 
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")

@@ -13,9 +13,9 @@ import numpy as np
 import openai
 import pytest
 
+from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
-from ember.testing import build_bert, build_qwen3
 from server import Server
 
 KEY = "test-key"

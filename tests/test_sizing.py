@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from cgroups import join_cgroup, real_v1_cgroup, run_in_cgroup
+from checkpoints import build_bert
 from ember.errors import ConfigError
 from ember.resources import CpuBudget, MemoryBudget
 from ember.sizing import GIB, plan_memory, plan_threads
-from ember.testing import build_bert
 from server import Server
 
 FOUR = CpuBudget(affinity=64, quota=4.0, cpuset=None, usable=4, source="cgroup v2 cpu.max 400000 100000")
@@ -96,7 +96,7 @@ def test_doctor_json_reports_and_exits_by_problems():
 
 def test_a_process_in_a_one_cpu_cgroup_uses_one_thread():
     code = (
-        "from ember.cli.runtime import prepare_process; from ember.engine.build import set_threads; import torch;"
+        "from ember.cli.runtime import prepare_process; from ember.engine.cpu import set_threads; import torch;"
         "p = prepare_process(None, None); set_threads(p.threads); print(p.threads, torch.get_num_threads())"
     )
     with real_v1_cgroup("cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}) as cgroup:
@@ -133,6 +133,6 @@ def test_onednn_kernel_cache_is_bounded_unless_the_operator_sets_it(given, expec
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if given:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
-    code = "import os; from ember.engine.build import set_threads; set_threads(1); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    code = "import os; from ember.engine.cpu import set_threads; set_threads(1); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected

@@ -12,7 +12,31 @@ from typing import Any, Literal, cast, get_args
 from ember.errors import ConfigError
 from ember.types import PoolingType
 
-__all__ = ["DType", "EngineConfig", "PoolerConfig", "ServerConfig", "check_dtype", "parse_json_object"]
+__all__ = [
+    "DEFAULT_BATCH_TOKENS",
+    "ONEDNN_KERNEL_CACHE",
+    "DType",
+    "EngineConfig",
+    "ModelConfig",
+    "NativeConfig",
+    "PoolerConfig",
+    "ServerConfig",
+    "check_dtype",
+    "parse_json_object",
+]
+
+ONEDNN_KERNEL_CACHE = 256
+"""oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY, set where the process starts, before torch's first
+matmul, unless the operator set it): one per
+GEMM shape, 5-13 ms to build. Batches run at rounded token counts (runner.padded_tokens), so a model meets at most
+~60 row counts per GEMM up to the 2,048-token slice: 256 holds them for 4 GEMM shapes (server peak RSS unchanged,
+1.43 GiB over the int8 workloads). Unbounded (oneDNN's default 1,024) with unrounded batches, a server grew by
+~600 MB; bounded to 32, most batches rebuilt their kernels (benchmarks/NOTES.md)."""
+
+DEFAULT_BATCH_TOKENS = 2048
+"""Token budget of one packed batch unless the operator sets one (--max-num-batched-tokens): the token slice
+the models run their per-token work in, so a full batch keeps its GEMMs in cache; the memory plan lowers it
+where memory is short."""
 
 DType = Literal["auto", "float32", "bfloat16"]
 _POOLING_NAMES = {"CLS", "MEAN", "LAST"}
@@ -103,10 +127,42 @@ def check_dtype(value: str, flag: str = "--dtype") -> DType:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how (vLLM's flag names), before it is fitted into memory."""
+
+    model: str | None = None
+    """A local directory or a hub id; None: the bundled sentence-transformers/all-MiniLM-L6-v2."""
+    served_name: str | None = None
+    """The name the model is reported as (the first --served-model-name); None: `model`."""
+    revision: str | None = None
+    download_dir: str | None = None
+    dtype: DType = "auto"
+    quantization: Literal["int8"] | None = None
+    """int8: weights at one byte and per-token int8 activations in the linear layers (--quantization)."""
+    max_model_len: int | None = None
+    """Longest input in tokens; None: the model's positions, capped by sentence-transformers' max_seq_length."""
+    hf_overrides: dict[str, Any] | None = None
+    """Merged into config.json before anything reads it (--hf-overrides)."""
+    pooler: PoolerConfig = PoolerConfig()
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS
+    """The batch token budget asked for; the memory plan may lower it (--max-num-batched-tokens)."""
+    max_queued_tokens: int = 1_000_000
+    """The queue's token budget asked for; the memory plan may lower it (--max-queued-tokens)."""
+    memory_limit: int | None = None
+    """Bytes to plan for instead of the detected cgroup limit or available memory (--memory-limit)."""
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8"):
+            raise ConfigError(f"--quantization {self.quantization!r} is not supported; ember offers int8")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Batching and backpressure limits of the async engine (vLLM's flag names where they exist)."""
 
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int = DEFAULT_BATCH_TOKENS
     """Token budget of one packed batch (--max-num-batched-tokens)."""
     max_num_seqs: int = 256
     """Most sequences in one batch (--max-num-seqs)."""
@@ -126,8 +182,9 @@ class EngineConfig:
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
     compile_kernels: bool = False
-    """After warm-up, build the fused elementwise kernels (torch.compile) on a background thread while
-    serving eagerly, then switch to them (on by default in `ember serve`; off with --enforce-eager)."""
+    """After warm-up, compile the fused elementwise regions (torch.compile) on a background thread while
+    serving eagerly, then switch to them (on by default in `ember serve`; off with --enforce-eager). ember's
+    native kernels are not governed by this: see NativeConfig."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -152,3 +209,30 @@ class ServerConfig:
     """How long SIGTERM waits for in-flight requests (--shutdown-grace)."""
     memory_budget_bytes: int = 0
     """The memory ember sized itself to, exported in /metrics."""
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """ember's native C++ kernels (ember.ops.native): which may be built and loaded, and where they are cached.
+
+    Each runs only where the CPU has what it needs; these switches only turn them off (EMBER_NATIVE_ATTENTION,
+    EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE = 0, read by the CLI)."""
+
+    attention: bool = True
+    """Flash attention over packed sequences, bf16 (AMX)."""
+    int8_gemm: bool = True
+    """The int8 layers' matrix product with SwiGLU in its epilogue (AMX)."""
+    elementwise: bool = True
+    """SwiGLU and Qwen3's q/k norm + rotary, bf16 (AVX-512 BF16)."""
+    cache_dir: str | None = None
+    """Where built libraries are kept (EMBER_CACHE_DIR); None: ~/.cache/ember."""
+    compiler: str | None = None
+    """The C++ compiler to build them with (CXX); None: g++, else c++, else clang++ on PATH."""
+
+    def enabled(self, kernel: str) -> bool:
+        return bool(getattr(self, kernel))
+
+    @staticmethod
+    def switch(kernel: str) -> str:
+        """The environment variable that turns `kernel` off."""
+        return {"int8_gemm": "EMBER_NATIVE_INT8"}.get(kernel, f"EMBER_NATIVE_{kernel.upper()}")

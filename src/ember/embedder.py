@@ -1,23 +1,34 @@
 """The offline API: `Embedder(model).embed(texts)` for notebooks and batch jobs.
 
-Synchronous and single-threaded from the caller's view; batches are packed by a token
-budget and results come back in input order with the exact token count of each input.
+Synchronous and single-threaded from the caller's view. It drives the same Preprocessor and Scheduler as the
+server (same validation, same batches by the same token budget, the one the memory plan allows), and results
+come back in input order with the exact token count of each input.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from ember.config import DType, PoolerConfig, check_dtype
-from ember.engine.build import Loaded, load, set_threads
-from ember.engine.inputs import check_dimensions, fit_length, prompt_text, split_inputs, tokenize
-from ember.engine.scheduler import plan_batches
+from ember.config import (
+    DEFAULT_BATCH_TOKENS,
+    ONEDNN_KERNEL_CACHE,
+    EngineConfig,
+    ModelConfig,
+    NativeConfig,
+    PoolerConfig,
+    check_dtype,
+)
+from ember.engine.build import Loaded, load
+from ember.engine.cpu import set_threads
+from ember.engine.inputs import EmbedParams, Preprocessor
+from ember.engine.scheduler import Scheduler
 from ember.ops.fused import can_compile
-from ember.ops.head import embed_windows
 from ember.resources import cpu_budget
-from ember.types import ModelInfo
+from ember.tokenizer import Tokenizer
+from ember.types import KernelStatus, ModelInfo
 
 __all__ = ["Embedder", "Embeddings"]
 
@@ -36,21 +47,24 @@ class Embedder:
         self,
         model: str | None = None,
         *,
-        dtype: DType | str = "auto",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
         revision: str | None = None,
         hf_overrides: dict[str, Any] | None = None,
-        max_batch_tokens: int = 8192,
+        max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
         max_batch_seqs: int = 256,
         auto_truncate: bool = False,
         threads: int | None = None,
-        quantization: str | None = None,
+        quantization: Literal["int8"] | None = None,
         enforce_eager: bool = False,
+        native: NativeConfig | None = None,
     ) -> None:
+        # oneDNN reads its kernel cache bound at the first matmul: set it (unless the caller did) before any
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
         pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
-        self._loaded: Loaded = load(
+        config = ModelConfig(
             model,
             dtype=check_dtype(dtype),
             max_model_len=max_model_len,
@@ -58,20 +72,25 @@ class Embedder:
             revision=revision,
             hf_overrides=hf_overrides,
             quantization=quantization,
+            max_batch_tokens=max_batch_tokens,
         )
+        self._loaded: Loaded = load(config, native)
+        self.kernels: list[KernelStatus] = self._loaded.runner.load_kernels()
         if not enforce_eager and can_compile():  # fused kernels, built now (a few seconds, cached on disk)
             self._loaded.runner.compile()
-        self.pooler = pooler
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_seqs = max_batch_seqs
-        self.auto_truncate = auto_truncate
+        self.engine_config = EngineConfig(
+            max_num_batched_tokens=self._loaded.memory.max_batch_tokens,  # what the memory plan allows
+            max_num_seqs=max_batch_seqs,
+            auto_truncate=auto_truncate,
+        )
+        self.preprocessor = Preprocessor(self.info, self.tokenizer, pooler, auto_truncate)
 
     @property
     def info(self) -> ModelInfo:
         return self._loaded.info
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self._loaded.tokenizer
 
     def embed(
@@ -85,27 +104,12 @@ class Embedder:
         truncation_side: Literal["left", "right"] | None = None,
     ) -> Embeddings:
         """Embed texts (or token-id lists, used as given); returns vectors in input order."""
-        info = self.info
-        dimensions = dimensions if dimensions is not None else self.pooler.dimensions
-        check_dimensions(info, dimensions)
-        tokenizer = self._loaded.tokenizer
-        seqs = tokenize(tokenizer, split_inputs(inputs), prompt_text(info, prompt_name))
-        fitted = [
-            fit_length(ids, info.max_model_len, tokenizer.special_tokens, truncate_to=truncate_prompt_tokens,
-                       side=truncation_side, pooler=self.pooler, auto_truncate=self.auto_truncate)
-            for ids in seqs
-        ]  # fmt: skip
-        windows = [f.windows for f in fitted]
-        flat = [(i, j) for i, ws in enumerate(windows) for j in range(len(ws))]
-        pooled: dict[tuple[int, int], np.ndarray] = {}
-        lengths = [len(windows[i][j]) for i, j in flat]
-        for batch in plan_batches(lengths, self.max_batch_tokens, self.max_batch_seqs):
-            out = self._loaded.runner.embed([windows[flat[k][0]][flat[k][1]] for k in batch])
-            for row, k in enumerate(batch):
-                pooled[flat[k]] = out[row]
-        norm = info.pooling.normalize if normalize is None else normalize
-        vectors = [
-            embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], dimensions, norm)
-            for i, ws in enumerate(windows)
-        ]
-        return Embeddings(np.stack(vectors), [f.tokens for f in fitted])
+        params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name)
+        prepared = self.preprocessor.check(inputs, params)
+        fitted = self.preprocessor.fit(prepared, params)
+        scheduler = Scheduler(self.engine_config)  # one request on its own queue: no budget but the batch's
+        request = scheduler.admit([f.windows for f in fitted], [f.tokens for f in fitted], now=0.0)
+        while batch := scheduler.next_batch(now=0.0):
+            scheduler.complete(batch, self._loaded.runner.embed([it.ids for it in batch]), 0.0, now=0.0)
+        vectors = self.preprocessor.vectors(request.windows, request.pooled, prepared)
+        return Embeddings(np.stack(vectors), request.token_counts)

@@ -44,10 +44,12 @@ def plan_threads(
     omp_env: str | None = None,
     bind: str | None = None,
     label: str = "--threads",
+    bind_label: str = "--cpu-bind",
 ) -> ThreadPlan:
-    """Threads from --threads, else an explicit OMP_NUM_THREADS, else the usable CPUs."""
+    """Threads from --threads, else an explicit OMP_NUM_THREADS, else the usable CPUs; `label` and `bind_label`
+    name where the thread count and the CPU list came from, for errors."""
     warnings: list[str] = []
-    cpus = _bind_list(bind)
+    cpus = _bind_list(bind, bind_label)
     if requested is not None:
         if requested < 1:
             raise ConfigError(f"{label} must be at least 1, got {requested}")
@@ -72,16 +74,16 @@ def plan_threads(
     return ThreadPlan(threads, reason, cpus or None, tuple(warnings))
 
 
-def _bind_list(bind: str | None) -> tuple[int, ...]:
+def _bind_list(bind: str | None, label: str) -> tuple[int, ...]:
     if bind in (None, "", "auto", "nobind"):
         return ()
     try:
         cpus = parse_cpu_list(bind.split("|")[0])
     except ValueError as e:
-        raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND / --cpu-bind {bind!r}: {e}") from None
+        raise ConfigError(f"{label} {bind!r}: {e}") from None
     allowed = _affinity_set()
     if not cpus <= allowed:
-        raise ConfigError(f"--cpu-bind {bind!r} names CPUs outside this process's affinity {sorted(allowed)}")
+        raise ConfigError(f"{label} {bind!r} names CPUs outside this process's affinity {sorted(allowed)}")
     return tuple(sorted(cpus))
 
 

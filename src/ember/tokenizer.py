@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -35,8 +36,9 @@ class Tokenizer:
         """The special tokens around a single input ([CLS] ... [SEP], or ... <|endoftext|>)."""
 
     @classmethod
-    def from_dir(cls, path: Path, *, ensure_eos: bool = False) -> Tokenizer:
-        """Load tokenizer.json from a model directory; `ensure_eos` for LAST-pooled decoders."""
+    def from_dir(cls, path: Path, config: dict[str, Any] | None = None, *, ensure_eos: bool = False) -> Tokenizer:
+        """Load tokenizer.json from a model directory; `config` is its config.json as the model was built from
+        (with --hf-overrides), read for the EOS id; `ensure_eos` for LAST-pooled decoders."""
         file = path / "tokenizer.json"
         if not file.is_file():
             raise CheckpointError(f"no tokenizer.json in {path}; ember needs a fast tokenizer file")
@@ -44,7 +46,7 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise CheckpointError(f"cannot read {file}: {e}") from None
-        eos_id = _eos_id(path, hf)
+        eos_id = _eos_id(path, hf, config or {})
         append_eos = False
         if ensure_eos and eos_id is not None:
             probe = hf.encode("a").ids
@@ -96,8 +98,8 @@ class Tokenizer:
             raise InputError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param)
 
 
-def _eos_id(path: Path, hf: HFTokenizer) -> int | None:
-    """The EOS token id from tokenizer_config.json (or config.json's eos_token_id)."""
+def _eos_id(path: Path, hf: HFTokenizer, config: dict[str, Any]) -> int | None:
+    """The EOS token id from tokenizer_config.json, else the model config's eos_token_id."""
     cfg_file = path / "tokenizer_config.json"
     if cfg_file.is_file():
         eos = json.loads(cfg_file.read_text()).get("eos_token")
@@ -105,11 +107,7 @@ def _eos_id(path: Path, hf: HFTokenizer) -> int | None:
             eos = eos.get("content")
         if isinstance(eos, str) and hf.token_to_id(eos) is not None:
             return hf.token_to_id(eos)
-    config = path / "config.json"
-    if config.is_file():
-        eos_id = json.loads(config.read_text()).get("eos_token_id")
-        if isinstance(eos_id, list):
-            eos_id = eos_id[0] if eos_id else None
-        if isinstance(eos_id, int):
-            return eos_id
-    return None
+    eos_id = config.get("eos_token_id")
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0] if eos_id else None
+    return eos_id if isinstance(eos_id, int) else None

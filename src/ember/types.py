@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials"]
+__all__ = ["KernelStatus", "ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials"]
 
 PoolingType = Literal["CLS", "MEAN", "LAST"]
 
@@ -67,6 +67,16 @@ class Specials:
         return len(self.prefix) + len(self.suffix)
 
 
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether one kernel (native attention, int8 GEMM, elementwise; torch.compile's fused regions) is in use."""
+
+    name: str
+    active: bool
+    detail: str
+    """Why: where it came from when active, else what stops it and what runs instead."""
+
+
 class Runner(Protocol):
     """The backend contract: pooled float32 vectors for a batch of token-id sequences."""
 
@@ -76,6 +86,11 @@ class Runner(Protocol):
         """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation)."""
         ...
 
+    def load_kernels(self) -> list[KernelStatus]:
+        """Builds or loads ember's native kernels (as configured) and moves the model onto them; reports each.
+        Called once, on its own thread, while embed() keeps serving."""
+        ...
+
     def compile(self) -> None:
-        """Builds faster kernels; called once, on its own thread, while embed() keeps serving."""
+        """Compiles the fused regions (torch.compile); called once, after load_kernels, on the same thread."""
         ...

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from ember.api.errors import install_error_handlers
 from ember.api.metrics import Metrics
@@ -31,10 +32,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         finally:
             await engine.stop(config.shutdown_grace_seconds)
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs and /redoc with their assets served from the package: no CDN, air-gap safe
         title="ember",
         version=__version__,
-        description="CPU-native, OpenAI-compatible embedding server",
+        description="CPU-native, OpenAI- and vLLM-compatible embedding server",
         lifespan=lifespan,
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
@@ -43,6 +44,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
     metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
     metrics.memory_budget.set(config.memory_budget_bytes)
+    metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
     engine.observer = metrics.observe_batch
     install_error_handlers(app)
     app.include_router(inference)

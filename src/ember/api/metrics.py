@@ -24,6 +24,7 @@ class Metrics:
     """The metrics of one server, in their own registry (so tests can build many apps)."""
 
     def __init__(self) -> None:
+        self._kernels: Callable[[], dict[str, bool]] = dict
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, fds
         self.requests = Counter(
@@ -49,6 +50,12 @@ class Metrics:
         self.running_seqs = Gauge("ember_running_batch_sequences", "Sequences in the running batch", registry=r)
         self.running_tokens = Gauge("ember_running_batch_tokens", "Tokens in the running batch", registry=r)
         self.memory_budget = Gauge("ember_memory_budget_bytes", "Memory budget ember sizes itself to", registry=r)
+        self.kernel_active = Gauge(
+            "ember_kernel_active",
+            "1 where a kernel is in use (native or torch.compile's fused)",
+            ["kernel"],
+            registry=r,
+        )
 
     def watch(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """Make `gauge` read its value from `read` at scrape time."""
@@ -59,5 +66,11 @@ class Metrics:
         self.batch_tokens.observe(tokens)
         self.batch_time.observe(seconds)
 
+    def watch_kernels(self, read: Callable[[], dict[str, bool]]) -> None:
+        """Set ember_kernel_active{kernel=...} from `read` (kernel name -> active) at every scrape."""
+        self._kernels = read
+
     def render(self) -> bytes:
+        for name, active in self._kernels().items():
+            self.kernel_active.labels(kernel=name).set(1 if active else 0)
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ access_log = logging.getLogger("ember.access")
 
 _KNOWN_PATHS = {
     "/v1/embeddings", "/embeddings", "/pooling", "/tokenize", "/detokenize", "/v1/models", "/health", "/ping",
-    "/version", "/metrics", "/docs", "/openapi.json",
+    "/version", "/info", "/metrics", "/docs", "/openapi.json",
 }  # fmt: skip
 
 

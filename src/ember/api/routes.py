@@ -1,4 +1,4 @@
-"""The HTTP routes: embeddings, pooling, tokenize, models, health, version, metrics.
+"""The HTTP routes: embeddings, pooling, tokenize, models, health, version, info, metrics.
 
 Handlers only translate: request body -> engine call -> response body. Inference routes sit
 behind the API key; probes and /metrics stay open.
@@ -31,7 +31,6 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
-from ember.engine.inputs import prompt_text
 from ember.version import __version__
 
 __all__ = ["Context", "inference", "probes"]
@@ -98,16 +97,15 @@ async def until_disconnect(request: Request, work: Any) -> Any:
     return task.result()
 
 
-def _params(body: EmbeddingRequest, ctx: Context) -> EmbedParams:
+def _params(body: EmbeddingRequest) -> EmbedParams:
     normalize = body.normalize if body.normalize is not None else body.use_activation
-    prompt = prompt_text(ctx.engine.info, body.prompt_name)
     return EmbedParams(
         dimensions=body.dimensions,
         normalize=normalize,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side,
         add_special_tokens=body.add_special_tokens,
-        prompt=prompt,
+        prompt_name=body.prompt_name,
     )
 
 
@@ -121,7 +119,7 @@ async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, Emb
     ctx = _ctx(request)
     ctx.check_model(body.model)
     try:
-        result: EmbedResult = await until_disconnect(request, ctx.engine.embed(body.input, _params(body, ctx)))
+        result: EmbedResult = await until_disconnect(request, ctx.engine.embed(body.input, _params(body)))
     except ClientGone:
         raise HTTPException(499, "client closed the request") from None
     tokens = sum(result.token_counts)
@@ -214,6 +212,23 @@ async def health(request: Request) -> Response:
 @probes.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
+
+
+@probes.get("/info")
+async def info(request: Request) -> dict[str, Any]:
+    """What this server runs: the model, its task and dtype, and which kernels are active and why."""
+    ctx = _ctx(request)
+    model = ctx.engine.info
+    return {
+        "version": __version__,
+        "model": ctx.model_name,
+        "architecture": model.architecture,
+        "task": "embed",
+        "dtype": model.dtype,
+        "dimension": model.dimension,
+        "max_model_len": model.max_model_len,
+        "kernels": {k.name: {"active": k.active, "detail": k.detail} for k in ctx.engine.kernels.values()},
+    }
 
 
 @probes.get("/metrics")

@@ -14,7 +14,6 @@ __all__ = [
     "DetokenizeResponse",
     "EmbeddingRequest",
     "EmbeddingResponse",
-    "ErrorResponse",
     "ModelList",
     "TokenizeRequest",
     "TokenizeResponse",
@@ -119,14 +118,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -111,18 +112,73 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (ember or a peer)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--workloads", default="bulk,mixed,queries,long", help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        default="bulk,mixed,queries,long",
+        help=f"comma list of {', '.join(WORKLOADS)}; those whose inputs exceed the model's max_model_len are skipped "
+        "(chunked needs the server's chunked processing on)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in WORKLOADS]
+    if unknown:
+        print(f"ember bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return _run(args, keys)
+    except BenchError as e:
+        print(f"ember bench: {e}", file=sys.stderr)
+        return 2
+
+
+class BenchError(Exception):
+    """What stops a benchmark, said in one line."""
+
+
+def _served_model(url: str, api_key: str | None, name: str | None) -> tuple[str, int | None]:
+    """The model to send (the server's first unless named) and its max_model_len when the server says it."""
     import httpx
 
-    model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach {url}: {e}") from None
+    if r.status_code == 401:
+        raise BenchError(f"{url} needs an API key (--api-key) or refused the one given")
+    try:
+        r.raise_for_status()
+        cards = r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        raise BenchError(f"{url}/v1/models did not answer with a model list (HTTP {r.status_code})") from None
+    card = next((c for c in cards if c.get("id") == name), None) if name else (cards[0] if cards else None)
+    if card is None:
+        raise BenchError(f"{url} serves no model named {name!r}" if name else f"{url} serves no model")
+    return card["id"], card.get("max_model_len")
+
+
+def _run(args: argparse.Namespace, keys: list[str]) -> int:
+    import httpx
+
+    model, max_len = _served_model(args.url, args.api_key, args.model)
     results = []
-    for key in args.workloads.split(","):
-        result = asyncio.run(run_workload(args.url, model, WORKLOADS[key], args.api_key))
+    for key in keys:
+        w = WORKLOADS[key]
+        longest = max(w.lengths)
+        if max_len is not None and longest > max_len and key != "chunked":
+            print(f"skipped {key}: its inputs reach {longest} tokens, over {model}'s max_model_len {max_len}")
+            continue
+        try:
+            result = asyncio.run(run_workload(args.url, model, w, args.api_key))
+        except httpx.HTTPStatusError as e:
+            raise BenchError(f"{key}: the server answered {e.response.status_code}: {e.response.text[:300]}") from None
+        except httpx.HTTPError as e:
+            raise BenchError(f"{key}: {e}") from None
         results.append(result)
         if not args.json:
             print(f"{result.workload:55s} {result.tokens_per_s:9.1f} tok/s  p50 {result.p50_ms:8.1f} ms  "

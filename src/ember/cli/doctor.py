@@ -8,12 +8,12 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ember.cli.flags import parse_json_flag, parse_size
-from ember.cli.runtime import maybe_reexec_with_allocator, parse_bytes, prepare_process
-from ember.errors import ConfigError, EmberError
-from ember.hardware import cpu_flags
+from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
+from ember.errors import EmberError
+from ember.hardware import auto_dtype, cpu_flags, has_fast_bf16
 from ember.resources import cpu_budget, memory_budget
 
 __all__ = ["add_parser", "run"]
@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
         "doctor", allow_abbrev=False, help="report CPU, limits, threads, dtype and what a model needs here"
     )
     p.add_argument("model", nargs="?", default=None, help="model to size (default: the bundled MiniLM)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="as ember serve: auto, float32, bfloat16 or int8")
     p.add_argument("--max-model-len", type=parse_size, default=None)
     p.add_argument("--quantization", default=None, choices=["int8"])
     p.add_argument("--hf-overrides", default=None)
@@ -47,14 +47,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _machine(threads: int) -> dict[str, Any]:
+def _machine() -> dict[str, Any]:
     import torch
 
-    from ember.engine.build import auto_dtype, gemm_gflops
+    from ember.engine.cpu import gemm_gflops
     from ember.ops.fused import can_compile
+    from ember.ops.native import build_kernels
 
     flags = cpu_flags()
     cpu, mem = cpu_budget(), memory_budget()
+    gflops = {
+        "float32": round(gemm_gflops(torch.float32, 2048)),
+        "bfloat16": round(gemm_gflops(torch.bfloat16, 2048)),
+    }
+    kernels = {k.name: ("active: " if k.active else "off: ") + k.detail for k in build_kernels(native_config())}
+    kernels["fused"] = (
+        "torch.compile in the background (a C++ compiler found)" if can_compile() else ("eager (no C++ compiler)")
+    )
     return {
         "cpu": {"model": _cpu_model(), "isa": {f: f in flags for f in _ISA}},
         "limits": {
@@ -74,39 +83,52 @@ def _machine(threads: int) -> dict[str, Any]:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "allocator": os.environ.get("EMBER_ALLOCATOR_SET", "system malloc"),
-            "fused_kernels": "compiled in the background (g++ found)" if can_compile() else "eager (no C++ compiler)",
         },
-        "auto_dtype": str(auto_dtype()).removeprefix("torch."),
-        "gemm_gflops": {
-            "float32": round(gemm_gflops(torch.float32, 2048)),
-            "bfloat16": round(gemm_gflops(torch.bfloat16, 2048)),
-        },
+        "kernels": kernels,
+        "auto_dtype": f"{auto_dtype(flags)} (from the CPU flags: bf16 matrix instructions "
+        f"{'present' if has_fast_bf16(flags) else 'absent'})",
+        "gemm_gflops": gflops,
     }
 
 
+def _dtype_warning(gflops: dict[str, float]) -> str | None:
+    """The probe only warns: --dtype auto is decided by the CPU flags, the same on every start."""
+    if auto_dtype() == "bfloat16" and gflops["bfloat16"] < 1.2 * gflops["float32"]:
+        return (
+            f"the CPU lists bf16 instructions but bf16 GEMM measured no faster than float32 here "
+            f"({gflops['bfloat16']:.0f} vs {gflops['float32']:.0f} GFLOPS; a busy machine measures low): "
+            "--dtype float32 may be faster"
+        )
+    return None
+
+
 def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]:
-    from ember.config import check_dtype
-    from ember.engine.build import Limits, plan_model_memory, torch_dtype
-    from ember.models.checkpoint import read_config, resolve_model
-    from ember.models.st_modules import read_st_modules
+    from ember.config import ModelConfig, check_dtype
+    from ember.engine.build import plan
     from ember.sizing import flops_per_token
 
-    path = resolve_model(args.model)
-    config = {**read_config(path), **(parse_json_flag(args.hf_overrides, "--hf-overrides") or {})}
-    dtype = torch_dtype(check_dtype(args.dtype))
-    limits = Limits(memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None)
-    plan = plan_model_memory(
-        path, config, dtype, limits, memory_budget(), args.max_model_len, read_st_modules(path).max_seq_length
+    quantization: Literal["int8"] | None = "int8" if args.quantization or args.dtype == "int8" else None
+    p = plan(
+        ModelConfig(
+            args.model,
+            dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
+            quantization=quantization,
+            max_model_len=args.max_model_len,
+            hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        )
     )
-    causal = config.get("model_type") == "qwen3"
-    per_token = flops_per_token(config, 512, causal)
-    rate = gflops["bfloat16" if dtype.itemsize == 2 else "float32"]
+    per_token = flops_per_token(p.hf_config, 512, p.cls.is_decoder)
+    rate = gflops["bfloat16" if p.dtype.itemsize == 2 else "float32"]
     return {
-        "path": str(path),
-        "dtype": str(dtype).removeprefix("torch."),
-        "weights_bytes": plan.weights_bytes,
-        "memory_plan": plan.describe(),
-        "max_batch_tokens": plan.max_batch_tokens,
+        "path": str(p.path),
+        "architecture": p.architecture,
+        "task": "embed",
+        "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if quantization else ""),
+        "max_model_len": p.max_model_len,
+        "weights_bytes": p.memory.weights_bytes,
+        "memory_plan": p.memory.describe(),
+        "max_batch_tokens": p.memory.max_batch_tokens,
         "gflop_per_token_at_512": round(per_token / 1e9, 3),
         "compute_limit_tokens_per_s": round(rate * 1e9 / per_token),
     }
@@ -118,14 +140,17 @@ def run(args: argparse.Namespace) -> int:
         maybe_reexec_with_allocator(sys.argv[1:])
         plan = prepare_process(args.threads, args.cpu_bind)
         problems += plan.warnings
-        from ember.engine.build import set_threads
+        from ember.engine.cpu import set_threads
 
         set_threads(plan.threads)
-        report = _machine(plan.threads)
+        report = _machine()
         report["threads"] = {"count": plan.threads, "reason": plan.reason, "bind": plan.bind}
-        try:
+        warning = _dtype_warning(report["gemm_gflops"])
+        if warning:
+            report["warnings"] = [warning]
+        try:  # the same plan `ember serve` makes: what it would refuse, doctor reports as a problem
             report["model"] = _model(args, report["gemm_gflops"])
-        except ConfigError as e:
+        except EmberError as e:
             problems.append(str(e))
     except EmberError as e:
         problems.append(str(e))

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from ember.config import parse_json_object
+from ember.config import DEFAULT_BATCH_TOKENS, parse_json_object
 from ember.errors import ConfigError
 
 __all__ = [
@@ -86,7 +86,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
-    p.add_argument("--max-num-batched-tokens", type=parse_size, default=2048, help="token budget of one batch")
+    p.add_argument(
+        "--max-num-batched-tokens", type=parse_size, default=DEFAULT_BATCH_TOKENS, help="token budget of one batch"
+    )
     p.add_argument(
         "--batch-wait-ms", type=float, default=25.0, help="most a batch waits for more requests to join it (0: never)"
     )
@@ -99,7 +101,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="never compile the fused kernels (by default they are built in the background after start-up)",
+        help="never torch.compile the fused elementwise regions (by default they are built in the background after "
+        "start-up); ember's native kernels are governed by EMBER_NATIVE_* instead",
     )
     p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
     p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')

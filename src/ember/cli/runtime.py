@@ -1,4 +1,5 @@
-"""Process setup before torch is imported: allocator, thread pools, CPU binding.
+"""Process setup before torch is imported: allocator, thread pools, CPU binding, oneDNN's kernel cache; and
+the native kernels' configuration from the environment.
 
 Environment variables are read here (and in flags.py) and nowhere else in ember.
 """
@@ -10,11 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from ember.config import ONEDNN_KERNEL_CACHE, NativeConfig
 from ember.errors import ConfigError
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
-__all__ = ["parse_bytes", "prepare_process"]
+__all__ = ["native_config", "parse_bytes", "prepare_process"]
+
 
 log = logging.getLogger("ember.cli")
 
@@ -71,10 +74,14 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
     label = "--threads" if threads is not None else "EMBER_THREADS"
     requested = threads if threads is not None else _int_env("EMBER_THREADS")
     bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or None
-    plan = plan_threads(cpu_budget(), requested, os.environ.get("OMP_NUM_THREADS"), bind, label=label)
+    bind_label = "--cpu-bind" if cpu_bind else "VLLM_CPU_OMP_THREADS_BIND"
+    plan = plan_threads(
+        cpu_budget(), requested, os.environ.get("OMP_NUM_THREADS"), bind, label=label, bind_label=bind_label
+    )
     n = str(plan.threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = n
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))  # read at the first matmul
     os.environ.setdefault("RAYON_NUM_THREADS", n)  # the Rust tokenizer's pool
     # OMP_WAIT_POLICY is left to the runtime's default on purpose: ACTIVE (spin forever) starves the event
     # loop on few cores, PASSIVE (sleep at once) doubles the time of small forwards (measured in benchmarks/).
@@ -90,6 +97,21 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
         os.environ.get(_REEXEC_MARK, "system malloc"),
     )  # fmt: skip
     return plan
+
+
+def native_config() -> NativeConfig:
+    """The native kernels' switches, cache directory and compiler, from EMBER_NATIVE_* (0/false/no/off turns
+    one off), EMBER_CACHE_DIR (else $XDG_CACHE_HOME/ember, else ~/.cache/ember) and CXX."""
+    off = ("0", "false", "no", "off")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return NativeConfig(
+        **{
+            kernel: os.environ.get(NativeConfig.switch(kernel), "1").strip().lower() not in off
+            for kernel in ("attention", "int8_gemm", "elementwise")
+        },
+        cache_dir=os.environ.get("EMBER_CACHE_DIR") or (os.path.join(xdg, "ember") if xdg else None),
+        compiler=os.environ.get("CXX") or None,
+    )
 
 
 def _int_env(name: str) -> int | None:

@@ -8,10 +8,13 @@ import math
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
+
+import uvicorn
 
 from ember.cli.flags import add_serve_flags, api_keys, check_runner, parse_json_flag, warn_ignored
-from ember.cli.runtime import maybe_reexec_with_allocator, parse_bytes, prepare_process
+from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
+from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig, check_dtype
 from ember.errors import EmberError
 
 __all__ = ["add_parser", "run"]
@@ -44,14 +47,28 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def uvicorn_server() -> type:
-    import uvicorn
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """What to load, from the flags (vLLM's names); the served name is decided here, once."""
+    model = args.model or args.model_tag
+    quantization: Literal["int8"] | None = "int8" if args.quantization or args.dtype == "int8" else None
+    return ModelConfig(
+        model,
+        served_name=(args.served_model_name or [None])[0],
+        revision=args.revision,
+        download_dir=args.download_dir,
+        dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
+        quantization=quantization,
+        max_model_len=args.max_model_len,
+        hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+        pooler=PoolerConfig.parse(args.pooler_config or args.override_pooler_config),
+        max_batch_tokens=args.max_num_batched_tokens,
+        max_queued_tokens=args.max_queued_tokens,
+        memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+    )
 
-    return uvicorn.Server
 
-
-def compile_kernels(enforce_eager: bool) -> bool:
-    """Fused kernels unless told not to, where a C++ compiler can build them."""
+def _compile_kernels(enforce_eager: bool) -> bool:
+    """torch.compile's fused regions unless told not to, where a C++ compiler can build them."""
     from ember.ops.fused import can_compile
 
     if enforce_eager:
@@ -63,60 +80,40 @@ def compile_kernels(enforce_eager: bool) -> bool:
 
 
 def _serve(args: argparse.Namespace, threads: int) -> int:
-    import uvicorn
-
+    """The wiring, in order: model (tokenizer, weights, memory plan), engine, server configuration, app, uvicorn."""
+    # torch is imported only now, after prepare_process has set the threads and the allocator
     from ember.api.app import create_app
-    from ember.config import EngineConfig, PoolerConfig, ServerConfig, check_dtype
-    from ember.engine.build import Limits, build_engine, load, set_threads
+    from ember.engine.build import build_engine, load
+    from ember.engine.cpu import set_threads
 
     set_threads(threads)
     check_runner(args)
     warn_ignored(args)
-    pooler = PoolerConfig.parse(args.pooler_config or args.override_pooler_config)
-    model = args.model or args.model_tag
-    quantization = args.quantization or ("int8" if args.dtype == "int8" else None)
+    config = _model_config(args)
     # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
-        loaded = loader.submit(
-            load,
-            model,
-            dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
-            quantization=quantization,
-            max_model_len=args.max_model_len,
-            pooler=pooler,
-            revision=args.revision,
-            download_dir=args.download_dir,
-            served_name=(args.served_model_name or [None])[0],
-            hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
-            limits=Limits(
-                batch_tokens=args.max_num_batched_tokens,
-                queued_tokens=args.max_queued_tokens,
-                memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-            ),
-        ).result()
+        loaded = loader.submit(load, config, native_config()).result()
     engine_config = EngineConfig(
-        max_num_batched_tokens=loaded.memory.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=loaded.memory.max_queued_tokens,
         auto_truncate=args.truncate,
         batch_wait_seconds=args.batch_wait_ms / 1000,
-        compile_kernels=compile_kernels(args.enforce_eager),
+        compile_kernels=_compile_kernels(args.enforce_eager),
     )
-    engine = build_engine(loaded, engine_config, pooler, tokenizer_threads=min(threads, 4))
-    names = tuple(args.served_model_name or [loaded.info.name])
+    engine = build_engine(loaded, engine_config, tokenizer_threads=min(threads, 4))
+    names = (loaded.info.name, *(args.served_model_name or [])[1:])
     server = ServerConfig(
         served_model_names=names,
-        model_path=str(loaded.path),
+        model_path=str(loaded.plan.path),
         api_keys=api_keys(args.api_key),
         max_request_bytes=parse_bytes(args.max_request_bytes),
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=loaded.memory.budget_bytes,
     )
     app = create_app(engine, server)
-    log.info("serving %s as %s on http://%s:%d", loaded.info.name, names[0], args.host, args.port)
-    config = uvicorn.Config(
+    log.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -124,11 +121,11 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         access_log=False,
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
     )
-    _Server(config).run()
+    _Server(uvicorn_config).run()
     return 0
 
 
-class _Server(uvicorn_server()):  # type: ignore[misc]
+class _Server(uvicorn.Server):
     """uvicorn's server, but a drained SIGTERM is a clean exit (status 0), as orchestrators expect."""
 
     def handle_exit(self, sig: int, frame: Any) -> None:

@@ -1,14 +1,18 @@
-"""Splitting long inputs into model-sized windows, and truncating them (pure functions).
+"""Long inputs: split into model-sized windows (or truncated), and the windows' vectors merged back (pure).
 
 A window is a well-formed model input: the tokenizer's special prefix and suffix
-([CLS] ... [SEP], or ... <|endoftext|>) wrap each window's share of the content.
+([CLS] ... [SEP], or ... <|endoftext|>) wrap each window's share of the content. After pooling, each window
+goes through the embedding head in vLLM's order (Matryoshka truncation, then L2 normalisation), and an input's
+windows are merged by their token-weighted mean (numpy only: this runs off the model thread).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ember.types import Specials
 
-__all__ = ["split_windows", "truncate"]
+__all__ = ["embed_windows", "embedding_head", "split_windows", "truncate", "weighted_mean"]
 
 
 def truncate(ids: list[int], keep: int, side: str, specials: Specials) -> list[int]:
@@ -38,3 +42,33 @@ def split_windows(ids: list[int], max_len: int, specials: Specials, overlap: int
         if start + room >= len(content):
             break
     return windows
+
+
+def embedding_head(x: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """Truncate a float32 vector (D,) to `dimensions`, then L2-normalise when asked."""
+    if dimensions is not None:
+        x = x[:dimensions]
+    if normalize:
+        norm = float(np.linalg.norm(x))
+        x = x / max(norm, 1e-12)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def weighted_mean(vectors: list[np.ndarray], weights: list[int]) -> np.ndarray:
+    """Token-weighted mean of window vectors (D,), computed in float64."""
+    w = np.asarray(weights, dtype=np.float64)
+    stacked = np.stack(vectors).astype(np.float64)  # (W, D)
+    return (stacked * w[:, None]).sum(0) / w.sum()
+
+
+def embed_windows(parts: list[np.ndarray], lengths: list[int], dimensions: int | None, normalize: bool) -> np.ndarray:
+    """One input's embedding from its pooled windows: head on each, token-weighted mean, head again.
+
+    A single window is just the head. For several, each window goes through the head as it
+    would alone (as vLLM's chunked processing does); the mean is normalised again when the
+    model normalises, so clients always get unit vectors.
+    """
+    if len(parts) == 1:
+        return embedding_head(parts[0], dimensions, normalize)
+    heads = [embedding_head(p, dimensions, normalize) for p in parts]
+    return embedding_head(weighted_mean(heads, lengths).astype(np.float32), None, normalize)

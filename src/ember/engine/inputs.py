@@ -1,26 +1,30 @@
-"""Turning request inputs into validated token-id sequences (pure, no torch).
+"""Turning request inputs into validated token-id windows, and pooled windows into vectors (pure, no torch).
 
-Shared by the offline Embedder and the async engine, so both accept and refuse the same
-things with the same messages (vLLM's wording where clients match on it).
+`Preprocessor` is the one place both the offline Embedder and the async engine go through, so both accept
+and refuse the same things with the same messages (vLLM's wording where clients match on it): the inputs'
+form, `dimensions`, the prompt, token ids, lengths (truncation, chunking), then the head and the merge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from ember.config import PoolerConfig
-from ember.engine.chunking import Specials, split_windows, truncate
-from ember.errors import InputError, InputTooLongError
+from ember.engine.chunking import Specials, embed_windows, split_windows, truncate
+from ember.errors import ConfigError, InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
 __all__ = [
+    "EmbedParams",
     "Fitted",
-    "check_dimensions",
+    "Preprocessor",
     "check_length",
     "fit_length",
-    "prompt_text",
     "split_inputs",
     "tokenize",
 ]
@@ -82,7 +86,7 @@ def check_length(n_tokens: int, max_model_len: int) -> None:
         )
 
 
-def check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
+def _check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
     """Refuse `dimensions` the model cannot give, as vLLM does."""
     if dimensions is None:
         return
@@ -157,11 +161,79 @@ def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: 
     return truncate(ids, k, side, specials)
 
 
-def prompt_text(info: ModelInfo, prompt_name: str | None) -> str:
-    """The prompt to put before each text: the named one, else the model's default, else none."""
-    name = prompt_name if prompt_name is not None else info.default_prompt_name
-    if name is None:
-        return ""
-    if name not in info.prompts:
-        raise InputError(f"unknown prompt_name {name!r}; this model has {sorted(info.prompts)}", "prompt_name")
-    return info.prompts[name]
+@dataclass(frozen=True)
+class EmbedParams:
+    """Per-request options (OpenAI's and vLLM's field names)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+    """A prompt of the model's (config_sentence_transformers.json) put before each text; None: its default."""
+
+
+class Prepared(NamedTuple):
+    """A request's inputs checked (cheap, before tokenising), with what its answer needs."""
+
+    items: list[Input]
+    prompt: str
+    dimensions: int | None
+    normalize: bool
+
+
+class Preprocessor:
+    """Checks a request, turns its inputs into windows of token ids, and pooled windows into vectors."""
+
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, pooler: PoolerConfig, auto_truncate: bool) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.pooler = pooler
+        self.auto_truncate = auto_truncate
+        try:
+            self._dimensions(None)  # the server-wide default must be one the model can give
+        except InputError as e:
+            raise ConfigError(f"--pooler-config dimensions: {e}") from None
+
+    def check(self, inputs: Any, params: EmbedParams) -> Prepared:
+        """Everything about a request that needs no tokenising; raises InputError."""
+        items = split_inputs(inputs)
+        normalize = self.info.pooling.normalize if params.normalize is None else params.normalize
+        return Prepared(items, self.prompt(params.prompt_name), self._dimensions(params.dimensions), normalize)
+
+    def prompt(self, prompt_name: str | None) -> str:
+        """The prompt to put before each text: the named one, else the model's default, else none."""
+        info = self.info
+        name = prompt_name if prompt_name is not None else info.default_prompt_name
+        if name is None:
+            return ""
+        if name not in info.prompts:
+            raise InputError(f"unknown prompt_name {name!r}; this model has {sorted(info.prompts)}", "prompt_name")
+        return info.prompts[name]
+
+    def _dimensions(self, asked: int | None) -> int | None:
+        dimensions = asked if asked is not None else self.pooler.dimensions
+        _check_dimensions(self.info, dimensions)
+        return dimensions
+
+    def fit(self, prepared: Prepared, params: EmbedParams) -> list[Fitted]:
+        """Tokenise (texts) or check (token ids), then fit each input to the model's length."""
+        seqs = tokenize(self.tokenizer, prepared.items, prepared.prompt, params.add_special_tokens)
+        specials, max_len = self.tokenizer.special_tokens, self.info.max_model_len
+        return [
+            fit_length(ids, max_len, specials, truncate_to=params.truncate_prompt_tokens, side=params.truncation_side,
+                       pooler=self.pooler, auto_truncate=self.auto_truncate)
+            for ids in seqs
+        ]  # fmt: skip
+
+    @staticmethod
+    def vectors(
+        windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
+    ) -> list[np.ndarray]:
+        """Each input's vector from its pooled windows (keyed (input, window)): head, and merge when chunked."""
+        return [
+            embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
+                          prepared.normalize)
+            for i, ws in enumerate(windows)
+        ]  # fmt: skip

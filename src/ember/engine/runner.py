@@ -10,13 +10,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember.config import NativeConfig
 from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
-from ember.types import ModelInfo
+from ember.types import KernelStatus, ModelInfo
 
 __all__ = ["TorchRunner", "padded_tokens"]
 
@@ -24,10 +25,13 @@ __all__ = ["TorchRunner", "padded_tokens"]
 class TorchRunner:
     """Embeds packed batches: (B sequences of token ids) -> (B, dimension) float32 pooled vectors."""
 
-    def __init__(self, model: nn.Module, info: ModelInfo, dense: list[Dense] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, info: ModelInfo, dense: list[Dense] | None = None, native: NativeConfig | None = None
+    ) -> None:
         self.model = model
         self.info = info
         self.dense = dense or []
+        self.native = native or NativeConfig()
         self.compiled = False
         """True once compile() has built the fused kernels: embed() then uses them."""
 
@@ -48,11 +52,15 @@ class TorchRunner:
             pooled = dense(pooled)
         return pooled.numpy()
 
-    def compile(self) -> None:
-        """Builds ember's native kernels (where they can run), moves int8 layers onto its int8 kernel, and
-        compiles the model's fused kernels with a small forward on this thread; then every thread uses them."""
-        build_kernels()
+    def load_kernels(self) -> list[KernelStatus]:
+        """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8
+        layers onto its int8 kernel; every thread uses them from then on."""
+        report = build_kernels(self.native)
         use_native_int8(self.model)
+        return report
+
+    def compile(self) -> None:
+        """Compiles the model's fused regions with small forwards on this thread; then every thread uses them."""
         with compiling():
             self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
             # and a batch of just over a token slice: models may take another path there (Qwen3's layers run

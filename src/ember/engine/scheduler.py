@@ -1,26 +1,224 @@
-"""Forming batches: a pure function of lengths and a token budget.
+"""The scheduler: which work runs next, and when a batch should start (pure: no threads, no clock of its own).
 
-Packed batches cost the sum of their lengths, so a batch holds as many sequences
-as fit in `max_tokens` (and `max_seqs`); a sequence longer than the budget runs alone.
+A request becomes work items (one per input, or one per window of a long input), queued earliest-deadline-first,
+where a request's deadline is its arrival plus its tokens times the measured cost of a token: short queries
+overtake bulk work, and nothing starves. Batches are formed by a token and a sequence budget; work of cancelled
+requests is dropped when a batch is formed. Every method that depends on time takes `now` (seconds, any
+monotonic origin), so the async engine and the offline Embedder drive the same decisions and tests need no sleeps.
 """
 
 from __future__ import annotations
 
-__all__ = ["plan_batches"]
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ember.config import EngineConfig
+from ember.errors import OverloadedError
+
+__all__ = ["Request", "Scheduler", "WorkItem"]
+
+CONCURRENCY_MEMORY_SECONDS = 1.0
+"""How long a peak of requests in flight sets how many requests a batch waits for."""
+
+SETTLE_SECONDS = 0.002
+"""On an idle engine, a batch starts once no request arrived for this long (a burst has landed)."""
 
 
-def plan_batches(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into batches, longest first within the plan."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for i in order:
-        if current and (tokens + lengths[i] > max_tokens or len(current) >= max_seqs):
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(i)
-        tokens += lengths[i]
-    if current:
-        batches.append(current)
-    return batches
+@dataclass(eq=False)
+class Request:
+    """One client request: its windows, what it counts for in `usage`, and its pooled windows as they come."""
+
+    windows: list[list[list[int]]]  # per input, its windows of token ids
+    token_counts: list[int]  # per input, the tokens reported in usage
+    arrival: float
+    pending: int  # windows not yet computed
+    in_queue: int = 0  # windows waiting in the queue
+    pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    first_batch: float | None = None
+    inference_seconds: float = 0.0
+    cancelled: bool = False
+    failed: BaseException | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for ws in self.windows for w in ws)
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0 or self.failed is not None
+
+
+@dataclass(order=True)
+class WorkItem:
+    """One window of one input, ordered by deadline, then by arrival."""
+
+    deadline: float
+    seq: int
+    request: Request = field(compare=False)
+    key: tuple[int, int] = field(compare=False)  # (input index, window index)
+    ids: list[int] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """The decision state of the wait before one batch, fixed when that wait starts."""
+
+    started: float
+    idle: bool  # nothing ran for a while: wait only while a burst keeps landing
+    expected: int  # requests in flight at the recent peak: wait for that many
+
+
+class Scheduler:
+    """Requests in, batches out: admission, EDF order, token/sequence budgets and the batch-wait decision."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.seconds_per_token = config.seconds_per_token
+        """Measured model cost (moving average over batches): deadlines and Retry-After use it."""
+        self.queued_requests = 0  # admitted and not yet released
+        self.queued_tokens = 0
+        self._heap: list[WorkItem] = []
+        self._heap_tokens = 0
+        self._waiting = 0  # requests with work in the queue
+        self._peaks: deque[tuple[float, int]] = deque()  # (time, requests in flight), counts decreasing
+        self._last_arrival = -float("inf")
+        self._last_batch_end = -float("inf")
+        self._gather: _Gather | None = None
+        self._counter = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._heap)
+
+    def check_room(self) -> None:
+        """Refuse at once (before any tokenising) when the queue already holds its most requests."""
+        if self.queued_requests >= self.config.max_queued_requests:
+            raise self.overloaded()
+
+    def overloaded(self) -> OverloadedError:
+        wait = max(1.0, self.queued_tokens * self.seconds_per_token)
+        return OverloadedError(
+            f"server overloaded: {self.queued_requests} requests and {self.queued_tokens} tokens queued; retry later",
+            retry_after=round(wait),
+        )
+
+    def admit(self, windows: list[list[list[int]]], token_counts: list[int], now: float) -> Request:
+        """Queue a request's windows, or raise OverloadedError when the queue's budgets are spent."""
+        pending = sum(len(ws) for ws in windows)
+        request = Request(windows, token_counts, now, pending)
+        cfg = self.config
+        if self.queued_requests >= cfg.max_queued_requests or (
+            self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
+        ):
+            raise self.overloaded()
+        self.queued_requests += 1
+        self.queued_tokens += request.tokens
+        while self._peaks and self._peaks[-1][1] <= self.queued_requests:
+            self._peaks.pop()
+        self._peaks.append((now, self.queued_requests))
+        self._last_arrival = now
+        deadline = now + request.tokens * self.seconds_per_token
+        for i, ws in enumerate(windows):
+            for j, ids in enumerate(ws):
+                heapq.heappush(self._heap, WorkItem(deadline, next(self._counter), request, (i, j), ids))
+                self._heap_tokens += len(ids)
+        request.in_queue = pending
+        self._waiting += pending > 0
+        return request
+
+    def release(self, request: Request) -> None:
+        """The request's caller is done with it (answered, failed or gone): its budget is free again.
+        Its work still queued, if any, is dropped when the next batch is formed."""
+        request.cancelled = request.cancelled or not request.done
+        self.queued_requests -= 1
+        self.queued_tokens -= request.tokens
+
+    def wait_seconds(self, now: float) -> float:
+        """How long to wait for more requests before forming the next batch (0: start it now).
+
+        Up to batch_wait_seconds. A window longer than the token budget waits the whole time, so that queries
+        arriving meanwhile overtake it. Otherwise the wait ends once the queue holds a full budget, or as many
+        requests as were in flight at once in the last second: closed-loop clients whose answers just went out
+        come back and share one forward (rather than settling into halves that alternate), and a lone client's
+        request starts at once. On an engine that ran nothing in the last second it ends once no request
+        arrived for SETTLE_SECONDS, so a burst lands in one batch."""
+        if not self._heap:
+            return 0.0
+        if self._gather is None:
+            idle = now - self._last_batch_end > CONCURRENCY_MEMORY_SECONDS
+            self._gather = _Gather(now, idle, self._recent_concurrency(now))
+        g = self._gather
+        budget = self.config.max_num_batched_tokens
+        ordinary = len(self._heap[0].ids) <= budget
+        if ordinary and (self._heap_tokens >= budget or (not g.idle and self._waiting >= g.expected)):
+            return 0.0
+        left = g.started + self.config.batch_wait_seconds - now
+        if ordinary and g.idle:  # wait only while requests keep landing
+            left = min(left, max(g.started, self._last_arrival) + SETTLE_SECONDS - now)
+        return max(0.0, left)
+
+    def next_batch(self, now: float) -> list[WorkItem]:
+        """Pop work earliest-deadline-first within the token and sequence budgets (a longer window runs alone)."""
+        self._gather = None
+        batch: list[WorkItem] = []
+        tokens = 0
+        while self._heap and len(batch) < self.config.max_num_seqs:
+            item = self._heap[0]
+            if item.request.cancelled or item.request.done:
+                self._pop()
+                continue
+            if batch and tokens + len(item.ids) > self.config.max_num_batched_tokens:
+                break
+            self._pop()
+            batch.append(item)
+            tokens += len(item.ids)
+        for item in batch:
+            if item.request.first_batch is None:
+                item.request.first_batch = now
+        return batch
+
+    def _pop(self) -> WorkItem:
+        item = heapq.heappop(self._heap)
+        self._heap_tokens -= len(item.ids)
+        item.request.in_queue -= 1
+        if item.request.in_queue == 0:
+            self._waiting -= 1
+        return item
+
+    def _recent_concurrency(self, now: float) -> int:
+        """The most requests in flight at once in the last second (at least 1)."""
+        while self._peaks and now - self._peaks[0][0] > CONCURRENCY_MEMORY_SECONDS:
+            self._peaks.popleft()
+        return self._peaks[0][1] if self._peaks else 1  # a peak counts the request that made it: >= 1
+
+    def complete(self, batch: list[WorkItem], pooled: np.ndarray, seconds: float, now: float) -> list[Request]:
+        """Record a batch's pooled rows; returns the requests it finished."""
+        self._last_batch_end = now
+        tokens = sum(len(it.ids) for it in batch)
+        self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / max(1, tokens)
+        for request in {id(it.request): it.request for it in batch}.values():
+            request.inference_seconds += seconds
+        finished = []
+        for row, item in enumerate(batch):
+            request = item.request
+            if request.failed is not None:
+                continue
+            request.pooled[item.key] = pooled[row]
+            request.pending -= 1
+            if request.pending == 0:
+                finished.append(request)
+        return finished
+
+    def fail(self, batch: list[WorkItem], error: BaseException, now: float) -> list[Request]:
+        """The model failed on this batch: its requests fail (and nothing else); returns them."""
+        self._last_batch_end = now
+        failed = []
+        for request in {id(it.request): it.request for it in batch}.values():
+            if request.failed is None and request.pending > 0:
+                request.failed = error
+                failed.append(request)
+        return failed

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ember.errors import UnsupportedModelError
+from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
 from ember.ops.linear import ACTIVATIONS, linear_act
@@ -156,10 +157,9 @@ class Encoder(nn.Module):
         self.layer = nn.ModuleList(Layer(a) for _ in range(a.num_hidden_layers))
 
 
-class BertModel(nn.Module):
+class BertModel(Architecture):
     """A BERT or XLM-R encoder without its pooler: token ids in, final hidden states out."""
 
-    is_decoder = False
     int8_layers = r"(intermediate\.dense|layer\.\d+\.output\.dense)$"  # feed-forward, for --quantization int8
 
     def __init__(self, a: BertArgs) -> None:

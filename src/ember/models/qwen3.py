@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import packed_attention, seq_offsets, varlen_attention
 from ember.ops.fused import Fused, qk_norm_rope, rms_norm, swiglu
@@ -142,7 +143,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(Architecture):
     """The Qwen3 decoder without its LM head: token ids in, final hidden states out."""
 
     is_decoder = True

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from ember.errors import UnsupportedModelError
+from ember.models.base import Architecture
 from ember.models.bert import BertModel
 from ember.models.qwen3 import Qwen3Model
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {
+ARCHITECTURES: dict[str, type[Architecture]] = {
     "Qwen3ForCausalLM": Qwen3Model,
     "Qwen3Model": Qwen3Model,
     "BertModel": BertModel,
@@ -24,7 +23,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 _BY_MODEL_TYPE = {"qwen3": "Qwen3Model", "bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
 
-def model_class(config: dict[str, Any]) -> tuple[str, type[nn.Module]]:
+def model_class(config: dict[str, Any]) -> tuple[str, type[Architecture]]:
     """The architecture name and ember's class for a config.json."""
     names = list(config.get("architectures") or [])
     if not names and config.get("model_type") in _BY_MODEL_TYPE:

@@ -11,7 +11,6 @@ rotary are its operators instead: inductor's kernels for them ran at 1/4-1/2 of 
 from __future__ import annotations
 
 import functools
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -20,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ember.hardware import find_compiler
 from ember.ops.native import elementwise_kernel
 from ember.ops.rope import apply_rope
 
@@ -100,7 +100,7 @@ def _mark_tokens_dynamic(args: tuple[Any, ...]) -> None:
 
 def can_compile() -> bool:
     """torch.compile on CPU writes C++ and needs a compiler to build it."""
-    return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
+    return find_compiler() is not None
 
 
 @contextmanager

@@ -8,24 +8,24 @@ Loading a library also registers its torch operators (ember::native_attention, e
 ember::silu_mul, ember::qk_norm_rope; their schemas are defined in Python), which compiled regions call
 through the dispatcher without Python.
 
-Each is compiled with `g++ -march=native` against the installed torch's headers and libraries, so it
-uses this CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`.
-The builds (about 20 s for the three here) run on the kernel-compiling thread beside serving; until a kernel is
-loaded, and on any machine where it cannot be built or run (no compiler, no AMX, another OS), its
-callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels) as before. Libraries are cached under
-$EMBER_CACHE_DIR (default ~/.cache/ember), keyed by the source, torch's version and the CPU's flags,
-so later starts load them in milliseconds. EMBER_NATIVE_ATTENTION=0 / EMBER_NATIVE_INT8=0 /
-EMBER_NATIVE_ELEMENTWISE=0 switch each off.
+Each is compiled with `-march=native` against the installed torch's headers and libraries, so it uses this
+CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`. The builds (about 20 s
+for the three) run on the engine's kernel thread beside serving; until a kernel is loaded, and wherever it
+cannot be built or run (no compiler, a CPU without what it needs, another OS, switched off in NativeConfig),
+its callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels). Libraries are cached
+in NativeConfig.cache_dir, keyed by the sources, the compiler's version, the exact compile command, torch's
+version and C++ ABI, and the CPU's flags; each is stored with its SHA-256, and a library whose bytes do not
+match (truncated, corrupt, or not ember's) is rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
-from ember.hardware import cpu_flags
+from ember.config import NativeConfig
+from ember.hardware import cpu_flags, find_compiler
+from ember.types import KernelStatus
 
-__all__ = ["attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel", "native_enabled"]
+__all__ = ["attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel"]
 
 log = logging.getLogger("ember.native")
 
@@ -45,29 +47,20 @@ _CSRC = Path(__file__).with_name("csrc")
 
 @dataclass(frozen=True)
 class _Kernel:
-    name: str  # csrc/<name>.cpp, and the exported ember_<name>_usable()
-    switch: str  # the environment variable that turns it off
+    name: str  # csrc/<name>.cpp, the exported ember_<name>_usable(), and NativeConfig's field
     needs: frozenset[str]  # CPU flags
-    fallback: str  # what runs instead, for the log
+    fallback: str  # what runs instead
 
 
 _KERNELS = (
-    _Kernel("attention", "EMBER_NATIVE_ATTENTION", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}),
-            "attention uses torch's SDPA"),
-    _Kernel("int8_gemm", "EMBER_NATIVE_INT8", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}),
-            "int8 layers use oneDNN"),
-    _Kernel("elementwise", "EMBER_NATIVE_ELEMENTWISE", frozenset({"avx512_bf16", "avx512bw", "avx512f"}),
-            "SwiGLU and q/k norm + rotary use torch.compile's kernels"),
-)  # fmt: skip
+    _Kernel("attention", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}), "torch's SDPA"),
+    _Kernel("int8_gemm", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}), "oneDNN's int8 matmul"),
+    _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
+)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
-_tried = False
-
-
-def native_enabled(switch: str) -> bool:
-    """Whether the kernel that environment variable `switch` governs may be built and used (default yes)."""
-    return os.environ.get(switch, "1").strip().lower() not in ("0", "false", "no", "off")
+_tried: dict[str, KernelStatus] = {}
 
 
 def attention_kernel() -> ctypes.CDLL | None:
@@ -85,80 +78,108 @@ def elementwise_kernel() -> ctypes.CDLL | None:
     return _loaded.get("elementwise")
 
 
-def build_kernels() -> dict[str, ctypes.CDLL]:
-    """Builds (or loads from the cache) and checks every kernel this machine can run; returns them by name.
-    Safe to call from several threads and more than once: the work is done once per process."""
-    global _tried
+def build_kernels(config: NativeConfig) -> list[KernelStatus]:
+    """Builds (or loads from the cache) and checks every kernel `config` allows and this machine can run;
+    reports each. Safe to call from several threads and more than once: each kernel is tried once per process
+    (a library, once loaded, stays: its torch operators are registered for the whole process)."""
+    report = []
     with _lock:
-        if not _tried:
-            _tried = True
-            for kernel in _KERNELS:
-                lib = _build(kernel)
+        for kernel in _KERNELS:
+            status = _tried.get(kernel.name)
+            if status is None and config.enabled(kernel.name):
+                lib, detail = _build(kernel, config)
                 if lib is not None:
                     _loaded[kernel.name] = lib
-        return dict(_loaded)
+                status = _tried[kernel.name] = KernelStatus(kernel.name, lib is not None, detail)
+            elif status is None:
+                switch = NativeConfig.switch(kernel.name)
+                status = KernelStatus(kernel.name, False, f"disabled by {switch}=0; {kernel.fallback} instead")
+            report.append(status)
+    return report
 
 
-def _build(kernel: _Kernel) -> ctypes.CDLL | None:
-    if not native_enabled(kernel.switch) or platform.system() != "Linux" or platform.machine() != "x86_64":
-        return None
-    if not cpu_flags() >= kernel.needs:
-        log.info("native %s: this CPU lacks %s; %s", kernel.name, " ".join(sorted(kernel.needs - cpu_flags())),
-                 kernel.fallback)  # fmt: skip
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
+def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library, or None; and what happened, for the log."""
+    instead = f"{kernel.fallback} instead"
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None, f"needs Linux on x86-64 ({platform.system()} {platform.machine()} here); {instead}"
+    missing = kernel.needs - cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {' '.join(sorted(missing))}; {instead}"
+    compiler = find_compiler(config.compiler)
     if compiler is None:
-        return None
+        return None, f"no C++ compiler (g++) to build it; {instead}"
     try:
-        lib = ctypes.CDLL(str(_library(compiler, _CSRC / f"{kernel.name}.cpp")))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native %s could not be built (%s); %s", kernel.name, exc, kernel.fallback)
-        return None
-    if getattr(lib, f"ember_{kernel.name}_usable")() != 1:
-        log.info("native %s: the kernel may not run here; %s", kernel.name, kernel.fallback)
-        return None
-    return lib
+        path, how = _library(compiler, _CSRC / f"{kernel.name}.cpp", _cache_dir(config))
+        lib = ctypes.CDLL(str(path))
+        usable = getattr(lib, f"ember_{kernel.name}_usable")() == 1
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        log.warning("native %s could not be built (%s); %s", kernel.name, exc, instead)
+        return None, f"build failed ({exc}); {instead}"
+    if not usable:
+        return None, f"the kernel may not run here (the OS refused AMX tile state); {instead}"
+    return lib, f"{how} {path}"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "ember"
-    )
-    return Path(root)
+def _cache_dir(config: NativeConfig) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "ember"
 
 
-def _library(compiler: str, source: Path) -> Path:
-    """The built library for this source (and the headers beside it), torch and CPU: from the cache, else
-    compiled into it."""
+def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
+    includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
+    lib = torch_dir / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(source), "-o", str(out),
+        f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
+    ]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.splitlines()[0] if done.stdout else "unknown"
+
+
+def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
+    """The built library for this source (and the headers beside it), compiler, command, torch and CPU, and how
+    it was found: loaded from the cache when its checksum matches, else compiled into it."""
     key = hashlib.sha256()
     headers = sorted(source.parent.glob("*.h"))  # what the sources include (amx.h, vec.h)
     for part in (
         source.read_bytes(),
         *(h.read_bytes() for h in headers),
         torch.__version__.encode(),
-        compiler.encode(),
+        _compiler_version(compiler).encode(),
+        " ".join(_compile_command(compiler, source, Path("OUT"))).encode(),
         " ".join(sorted(cpu_flags())).encode(),
     ):
         key.update(part)
-    out = _cache_dir() / f"ember_{source.stem}-{key.hexdigest()[:16]}.so"
+    out = cache / f"ember_{source.stem}-{key.hexdigest()[:16]}.so"
+    digest = out.with_name(out.name + ".sha256")
+    if out.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(out):
+        return out, "loaded from"
     if out.exists():
-        return out
+        log.warning("native %s: cached %s does not match its checksum; rebuilding it", source.stem, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
-    lib = torch_dir / "lib"
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [
-            compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-            *(f"-I{p}" for p in includes), str(source), "-o", str(tmp_out),
-            f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
-        ]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(_compile_command(compiler, source, tmp_out), capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise subprocess.SubprocessError(
-                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "g++ failed"
+                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"{compiler} failed"
             )
+        (Path(tmp) / digest.name).write_text(_sha256(tmp_out))
         os.replace(tmp_out, out)  # atomic: a concurrent start sees the whole file or none
+        os.replace(Path(tmp) / digest.name, digest)
     log.info("native %s built: %s", source.stem, out)
-    return out
+    return out, "built into"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -116,17 +117,8 @@ inline __m512 load_scores(const float* s, int64_t j, int64_t keep) {
   return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
 }
 
-// 2^t for t <= 8 (and far below -126 clamped to 2^-126): t = n + f, f in [-0.5, 0.5], 2^f by a degree-3
-// polynomial (relative error 1.1e-4, under bf16's rounding of 3.9e-3), times 2^n by scalef.
-inline __m512 exp2_approx(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05459283f), f, _mm512_set1_ps(0.24221838f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69336869f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// 2^t for t <= 8 (scores are at most 8 above the row's reference): vec.h's degree-3 polynomial.
+inline __m512 exp2_approx(__m512 t) { return ember_vec::exp2_ps<3, false>(t); }
 
 // Scores -> bf16 probabilities for one row of n (a multiple of 32), of which the first `keep` are unmasked,
 // in base 2: p = 2^(s * c - ref), c = scale * log2 e.

@@ -14,23 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:
-    from ember.testing.checkpoints import (
-        QWEN3_EMBEDDING_0_6B_CONFIG,
-        QWEN3_PROMPTS,
-        write_qwen3_random_safetensors,
-        write_st_pooling,
-    )
-    from ember.testing.qwen_tokenizer import build_qwen3_tokenizer
-except ImportError:  # not installed: run from a source checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from ember.testing.checkpoints import (
-        QWEN3_EMBEDDING_0_6B_CONFIG,
-        QWEN3_PROMPTS,
-        write_qwen3_random_safetensors,
-        write_st_pooling,
-    )
-    from ember.testing.qwen_tokenizer import build_qwen3_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the checkpoint builders live there
+from checkpoints.builders import (  # noqa: E402
+    QWEN3_EMBEDDING_0_6B_CONFIG,
+    QWEN3_PROMPTS,
+    write_qwen3_random_safetensors,
+    write_st_pooling,
+)
+from checkpoints.qwen_tokenizer import build_qwen3_tokenizer  # noqa: E402
 
 DEFAULT_OUT = Path("models/qwen3-emb-0.6b-random")
 

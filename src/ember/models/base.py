@@ -1,0 +1,52 @@
+"""The contract every architecture implements, so the composition root builds any of them the same way.
+
+An architecture is an `nn.Module` that runs packed batches (token ids and positions (T,), sequence lengths)
+to hidden states (T, hidden). Its class says how it is built from config.json, how checkpoint keys map to its
+parameters, whether it is a decoder (pooled on the last token, EOS appended), and which linear layers
+`--quantization int8` may replace. Rerank heads and new architectures plug in here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Self
+
+import torch
+from torch import nn
+
+__all__ = ["Architecture"]
+
+
+class Architecture(nn.Module, ABC):
+    """Token ids in, final hidden states out, for sequences laid end to end."""
+
+    is_decoder: ClassVar[bool] = False
+    """Causal attention and LAST pooling by default (an EOS token ends each input)."""
+    int8_layers: ClassVar[str]
+    """A regex over module names: the linear layers --quantization int8 stores at one byte."""
+    int8_glu_layers: ClassVar[str | None] = None
+    """Of those, the SwiGLU gate/up layers (gate and up side by side), which the int8 kernel fuses."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Self:
+        """The model for a config.json (with any --hf-overrides merged in), weightless until loaded."""
+
+    @staticmethod
+    @abstractmethod
+    def checkpoint_key(name: str) -> str | None:
+        """This model's parameter name for a checkpoint key; None for keys an embedding model does not use."""
+
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int:
+        """Width of the hidden states."""
+
+    @property
+    @abstractmethod
+    def max_positions(self) -> int:
+        """The longest input the position embeddings (or rotary range) cover."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        """input_ids, positions: (T,), positions from 0 per sequence; returns (T, hidden)."""
