@@ -44,6 +44,19 @@ def frozen(pid: int | None):
             os.kill(p, signal.SIGCONT)
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the ISA that decides ember's paths (AMX, AVX-512 BF16/VNNI, AVX2)."""
+    from ember.hardware import cpu_flags
+
+    name = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        "unknown",
+    )  # fmt: skip
+    isa = [f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in cpu_flags()]
+    return f"{name} ({os.cpu_count()} CPUs; {' '.join(isa)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer-url", required=True)
@@ -52,6 +65,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="bulk:3,queries:3,mixed:2", help="key:rounds, comma-separated")
     ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
+    ap.add_argument("--out", default=None, help="results file (default benchmarks/results/interleaved-DTYPE.json)")
     args = ap.parse_args()
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
     extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
@@ -100,10 +114,11 @@ def main() -> None:
             f"{statistics.median(row['peer_tokens_per_s']):10.0f} {statistics.median(ratios):25.2f}  "
             f"p50 {statistics.median(row['ember_p50_ms']):.0f} vs {statistics.median(row['peer_p50_ms']):.0f} ms"
         )
-    out = ROOT / f"benchmarks/results/interleaved-{args.dtype}.json"
+    out = Path(args.out) if args.out else ROOT / f"benchmarks/results/interleaved-{args.dtype}.json"
     out.write_text(
         json.dumps(
             {
+                "cpu": cpu_description(),
                 "ember": {
                     "dtype": args.dtype,
                     "ready_s": ours_ready,

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the checkpoint builders live there
-from checkpoints.builders import (  # noqa: E402
+from checkpoints.builders import (
     QWEN3_EMBEDDING_0_6B_CONFIG,
     QWEN3_PROMPTS,
     write_qwen3_random_safetensors,
     write_st_pooling,
 )
-from checkpoints.qwen_tokenizer import build_qwen3_tokenizer  # noqa: E402
+from checkpoints.qwen_tokenizer import build_qwen3_tokenizer
 
 DEFAULT_OUT = Path("models/qwen3-emb-0.6b-random")
 

@@ -19,13 +19,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path, timeout: float = 90.0, preexec_fn=None, compile=False) -> None:
+    def __init__(
+        self, args: list[str], log: Path, timeout: float = 90.0, preexec_fn=None, compile=False, env=None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         cmd = [sys.executable, "-m", "ember.cli.main", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        if not compile:  # the background compile would only compete with the test for the CPUs
+        if not compile:  # the background builds would only compete with the test for the CPUs
             cmd.append("--enforce-eager")
+            for switch in ("EMBER_NATIVE_ATTENTION", "EMBER_NATIVE_INT8", "EMBER_NATIVE_ELEMENTWISE"):
+                env.setdefault(switch, "0")
         self.log = log
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn

@@ -1,6 +1,7 @@
 """Command-line parsing: vLLM's flag semantics, sizes, and refusals that name the problem."""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -87,3 +88,35 @@ def test_a_script_restarts_itself_under_tcmalloc(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EMBER_ALLOCATOR_SET")}
     out = subprocess.run([sys.executable, str(script), "--x", "1"], capture_output=True, text=True, env=env, check=True)
     assert "tcmalloc" in out.stdout and "['--x', '1']" in out.stdout
+
+
+def _ember(*argv, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ember.cli.main", *argv], capture_output=True, text=True, env=env)
+
+
+def test_doctor_refuses_what_serve_refuses_with_the_same_message():
+    doctor = _ember("doctor", "--json", "--max-model-len", "8000")
+    serve = _ember("serve", "--max-model-len", "8000", "--port", "1")
+    assert doctor.returncode == 1 and serve.returncode == 2
+    problem = json.loads(doctor.stdout)["problems"][0]
+    assert "greater than the model's 512 position embeddings" in problem and problem in serve.stderr
+
+
+def test_doctor_reports_the_int8_plan():
+    out = _ember("doctor", "--json", "--quantization", "int8")
+    plain = _ember("doctor", "--json", "--dtype", "float32")
+    assert out.returncode == 0, out.stdout + out.stderr
+    model = json.loads(out.stdout)["model"]
+    assert model["dtype"].endswith("(int8 weights)")
+    assert model["weights_bytes"] < json.loads(plain.stdout)["model"]["weights_bytes"] / 2
+
+
+def test_bench_errors_are_one_clear_line():
+    unknown = _ember("bench", "--workloads", "bulk,nope")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        "ember bench: unknown workload(s) nope; choose from bulk, mixed, queries, long, chunked"
+    ]
+    unreachable = _ember("bench", "--url", "http://127.0.0.1:1")
+    assert unreachable.returncode == 2 and len(unreachable.stderr.strip().splitlines()) == 1
+    assert "cannot reach http://127.0.0.1:1" in unreachable.stderr

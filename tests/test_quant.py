@@ -45,7 +45,7 @@ def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["onednn", "int_mm", "native"])
 def test_int8_linear_is_exact_integer_arithmetic(backend, monkeypatch):
     if backend == "onednn" and not onednn_int8():
-        pytest.skip("this torch build has no oneDNN int8 matmul")
+        pytest.skip("oneDNN's int8 matmul is not used here (it needs AMX int8 and a torch build with it)")
     if backend == "native" and not _native_int8():
         pytest.skip("ember's native int8 kernel cannot run here")
     monkeypatch.setattr(quant, "onednn_int8", lambda: backend != "int_mm")
@@ -177,7 +177,7 @@ def test_only_shapes_the_native_kernel_takes_move_to_it():
 
 def test_int8_weights_are_packed_for_onednn():
     if not onednn_int8():
-        pytest.skip("this torch build has no oneDNN int8 matmul")
+        pytest.skip("oneDNN's int8 matmul is not used here (it needs AMX int8 and a torch build with it)")
     layer = Int8Linear(torch.nn.Linear(64, 32, bias=False), torch.bfloat16)
     assert layer.qweight.is_mkldnn and layer.qweight.dtype == torch.int8
     assert layer(torch.randn(5, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
@@ -271,3 +271,18 @@ def test_qwen3_int8_compiled_serves_any_batch_without_compiling_again(qwen3_path
     alone = fused.embed([seqs[1000]]).vectors[0]  # 1,000 tokens: one region per layer
     sliced = fused.embed([seqs[1200], seqs[1000]]).vectors[1]  # 2,200 tokens: the sliced path
     assert float(alone @ sliced) >= 0.999
+
+
+def test_onednn_int8_is_used_only_with_amx_and_the_fallback_is_exact(monkeypatch):
+    monkeypatch.setattr(quant, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni", "avx512_bf16"}))
+    quant.onednn_int8.cache_clear()
+    try:
+        assert not quant.onednn_int8()  # oneDNN ran its reference int8 code there: ~1000x slower
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(64, 48)
+        layer = Int8Linear(linear, torch.float32)
+        assert not layer.onednn and layer.qweight.shape == (64, 48)
+        x = torch.randn(5, 64)
+        torch.testing.assert_close(layer(x), _exact(linear, x).float(), atol=1e-4, rtol=1e-4)
+    finally:
+        quant.onednn_int8.cache_clear()

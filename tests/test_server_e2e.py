@@ -262,3 +262,18 @@ def test_the_server_compiles_fused_kernels_in_the_background_and_answers_the_sam
     finally:
         srv.stop()
     assert min(cos(d["embedding"], e) for d, e in zip(data, eager, strict=True)) >= 0.99999
+
+
+def test_ember_bench_sends_the_key_and_skips_workloads_the_model_cannot_take(server):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ember.cli.main", "bench", "--url", server.url, "--api-key", KEY,
+         "--workloads", "long,queries"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == f"skipped long: its inputs reach 8000 tokens, over {NAME}'s max_model_len 64"
+    assert lines[1].startswith("queries:") and "tok/s" in lines[1]

@@ -133,6 +133,14 @@ def test_onednn_kernel_cache_is_bounded_unless_the_operator_sets_it(given, expec
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if given:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
-    code = "import os; from ember.engine.cpu import set_threads; set_threads(1); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    code = "import os; from ember.cli.runtime import prepare_process; prepare_process(1, None); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_a_bad_cpu_list_names_where_it_came_from():
+    cpu = FOUR
+    with pytest.raises(ConfigError, match=r"^VLLM_CPU_OMP_THREADS_BIND '4096' names CPUs outside"):
+        plan_threads(cpu, bind="4096", bind_label="VLLM_CPU_OMP_THREADS_BIND")
+    with pytest.raises(ConfigError, match=r"^--cpu-bind 'x-y': invalid CPU list"):
+        plan_threads(cpu, bind="x-y")

@@ -2,7 +2,7 @@
 
 In eager torch a bf16 RMSNorm is five passes over memory with float32 copies; these functions are
 written so that torch.compile (inductor's C++ backend) fuses each into one vectorised loop: ~3x
-faster kernels, 1.04-1.46x end-to-end on the 0.6B model (docs/benchmarks.md). Until `compiling()` has
+faster kernels, 1.04-1.46x end-to-end on the 0.6B model (benchmarks/NOTES.md). Until `compiling()` has
 built them they run eagerly, so a model works the same with or without a C++ compiler.
 In bf16, where ember's native elementwise library runs (csrc/elementwise.cpp), SwiGLU and the q/k norm +
 rotary are its operators instead: inductor's kernels for them ran at 1/4-1/2 of memory speed.

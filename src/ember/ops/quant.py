@@ -5,11 +5,12 @@ Weights are quantised once per output channel (symmetric), activations per token
 - ember's AMX kernel (csrc/int8_gemm.cpp), on weights in its tile layout: it takes the float activations,
   quantises each token itself (bit for bit as _quantize_tokens) and applies both scales on the way out.
   Once ember.ops.native has built it, `use_native_int8` repacks the layers for it (1.2-1.6x oneDNN's
-  matmul on a forward's GEMMs at 20-512 tokens, docs/benchmarks.md);
-- oneDNN's AMX/VNNI matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16
-  GEMM rate here), which applies the weight scales; the token scales (which oneDNN takes only per
-  tensor) are applied after it. Layers start here, and stay here where the native kernel cannot run;
-- `torch._int_mm`, where oneDNN's op is missing.
+  matmul on a forward's GEMMs at 20-512 tokens, benchmarks/NOTES.md);
+- oneDNN's AMX matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16
+  GEMM rate on an AMX Xeon), which applies the weight scales; the token scales (which oneDNN takes only per
+  tensor) are applied after it. On CPUs with AMX int8, layers start here, and stay here where the native
+  kernel cannot run;
+- `torch._int_mm` (VNNI where the CPU has it) everywhere else: see `onednn_int8`.
 
 On the other two, each step is a plain torch op, so inside a compiled region (ops.fused) the activation
 quantisation fuses into the norm before it and the rescale into whatever follows: run eagerly, those two
@@ -24,6 +25,7 @@ import re
 import torch
 from torch import nn
 
+from ember.hardware import cpu_flags
 from ember.ops.fused import silu_mul
 from ember.ops.linear import replace_linears
 from ember.ops.native import int8_gemm_kernel
@@ -116,7 +118,12 @@ def _zero_points(n: int) -> torch.Tensor:
 
 @functools.cache
 def onednn_int8() -> bool:
-    """Whether this torch build runs oneDNN's int8 matmul on this CPU (checked once on a tiny product)."""
+    """Whether to use oneDNN's int8 matmul: on CPUs with AMX int8, where this torch build runs it (checked once on
+    a tiny product). Elsewhere torch._int_mm: on an AMD EPYC with AVX-512 VNNI (no AMX) oneDNN ran its reference
+    implementation (`ref_int8`, for the prepacked weights' layout), 3.2 s for a 512 x 384 x 1536 product against
+    0.8 ms for torch._int_mm; all-MiniLM-L6-v2 int8 took 72 s for 54 sentences."""
+    if "amx_int8" not in cpu_flags():
+        return False
     try:
         w = torch.ones(16, 32, dtype=torch.int8)
         packed = torch.ops.onednn.qlinear_prepack(w, None)
@@ -169,8 +176,8 @@ class Int8Linear(nn.Module):
         xq, xs = _quantize_tokens(x)
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
-        else:
-            y = torch._int_mm(xq, w).float() * self.scale
+        else:  # rounded where oneDNN rounds (to out_dtype after the weight scales), so both give the same vectors
+            y = (torch._int_mm(xq, w).float() * self.scale).to(self.out_dtype).float()
         y = y * xs
         if self.bias is not None:
             y = y + self.bias

@@ -409,7 +409,7 @@ int ember_attention_usable() {
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for
 // 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the longest sequence: each is the fastest measured
-// below 64, 128, 6,144 tokens and beyond (session 13, docs/benchmarks.md). Returns 0; 1 for unsupported
+// below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md). Returns 0; 1 for unsupported
 // shapes; 2 when its buffers cannot be allocated.
 int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
                     int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
