@@ -55,8 +55,8 @@ def test_vllm_command_lines_parse():
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--runner", "generate"], "embedding models only"),
-        (["--task", "generate"], "embedding models only"),
+        (["--runner", "generate"], "text generation is not supported"),
+        (["--task", "generate"], "text generation is not supported"),
         (["--tensor-parallel-size", "2"], "must be 1"),
     ],
 )

@@ -82,6 +82,33 @@ class Tokenizer:
                     ids.append(eos)
         return out
 
+    def encode_pairs(
+        self, pairs: list[tuple[str, str]], max_len: int | None = None, max_second: int | None = None
+    ) -> list[tuple[list[int], list[int], int]]:
+        """Each (first, second) text pair joined by the tokenizer's pair template ([CLS] a [SEP] b [SEP], or
+        <s> a </s></s> b </s>): (ids, token type ids, tokens before any cut). The second text is cut to
+        `max_second` tokens, then so that the pair fits `max_len` (the first is never cut); each distinct first
+        text is encoded once."""
+        firsts = {a: None for a, _ in pairs}
+        first_enc = dict(zip(firsts, self._hf.encode_batch_fast(list(firsts), add_special_tokens=False), strict=True))
+        second_enc = self._hf.encode_batch_fast([b for _, b in pairs], add_special_tokens=False)
+        extra = self._hf.num_special_tokens_to_add(True)
+        out = []
+        for (a, _), eb in zip(pairs, second_enc, strict=True):
+            ea = first_enc[a]
+            full = len(ea.ids) + len(eb.ids) + extra
+            if max_second is not None and len(eb.ids) > max_second:
+                eb.truncate(max_second)
+            if max_len is not None and len(ea.ids) + len(eb.ids) + extra > max_len:
+                eb.truncate(max(0, max_len - extra - len(ea.ids)))
+            joined = self._hf.post_process(ea, eb, add_special_tokens=True)
+            out.append((joined.ids, joined.type_ids, full))
+        return out
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token string (None when it is not in the vocabulary)."""
+        return self._hf.token_to_id(token)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids; ids outside the vocabulary are an InputError."""
         self.check_ids(ids)

@@ -7,9 +7,13 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["KernelStatus", "ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials"]
+__all__ = ["Activation", "KernelStatus", "ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials", "Task"]
 
 PoolingType = Literal["CLS", "MEAN", "LAST"]
+Task = Literal["embed", "score"]
+"""embed: a vector per input (embedding models); score: a relevance score per (query, document) pair
+(cross-encoders and rerankers)."""
+Activation = Literal["sigmoid", "softmax", "identity"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,14 @@ class ModelInfo:
     default_prompt_name: str | None = None
     """Applied when a request names no prompt (sentence-transformers' default_prompt_name)."""
     vocab_size: int = 0
+    task: Task = "embed"
+    num_labels: int = 0
+    """Outputs of a score model's classifier (its pooled output is then (num_labels,) logits)."""
+    activation: Activation = "identity"
+    """What turns a score model's logits into scores (sentence-transformers' and vLLM's choice)."""
+    pair_template: Literal["tokenizer", "qwen3-reranker"] = "tokenizer"
+    """How a (query, document) pair becomes one input: the tokenizer's pair template ([CLS] q [SEP] d [SEP]),
+    or Qwen3-Reranker's chat prompt."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,9 @@ class Runner(Protocol):
 
     info: ModelInfo
 
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
-        """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation)."""
+    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
+        """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation); for a score
+        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0."""
         ...
 
     def load_kernels(self) -> list[KernelStatus]:

@@ -681,3 +681,83 @@ def write_qwen3_random_safetensors(
             for chunk in _random_chunks(name, shape, dtype, gen):
                 handle.write(chunk)
     return sum(math.prod(shape) for shape in shapes.values())
+
+
+# --------------------------------------------------------------------------- score models (cross-encoders, rerankers)
+
+CrossEncoderKind = Literal["bert", "xlm-roberta", "roberta"]
+
+
+def build_cross_encoder(
+    out_dir: Path,
+    *,
+    kind: CrossEncoderKind = "bert",
+    labels: int = 1,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    seed: int = 0,
+    activation_fn: str | None = None,
+    max_position: int = 512,
+) -> Path:
+    """A small ``*ForSequenceClassification`` checkpoint (random weights) as transformers saves it: BERT with the
+    MiniLM WordPiece tokenizer, XLM-R / RoBERTa with the small Unigram one (both with their pair templates).
+    ``activation_fn`` is written as sentence-transformers' CrossEncoder does (``sentence_transformers`` in
+    config.json), e.g. ``torch.nn.modules.linear.Identity`` as the ms-marco models say."""
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bert_kind: BertKind = "bert" if kind == "bert" else "xlm-roberta"
+    n_tokens = (_write_bert_tokenizer if kind == "bert" else _write_xlmr_tokenizer)(out, max_position)
+    config = _bert_config(
+        bert_kind, vocab_size=n_tokens, layers=layers, hidden=hidden, heads=heads, intermediate=4 * hidden,
+        max_position=max_position,
+    )  # fmt: skip
+    config.num_labels = labels
+    classes = {
+        "bert": transformers.BertForSequenceClassification,
+        "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
+        "roberta": transformers.RobertaForSequenceClassification,
+    }
+    if kind == "roberta":
+        config = transformers.RobertaConfig(**config.to_dict())
+    model = _build_model(classes[kind], config, seed)
+    model.config.architectures = [classes[kind].__name__]
+    model.save_pretrained(str(out))
+    _add_legacy_config_keys(out / "config.json", [classes[kind].__name__])
+    if activation_fn is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["sentence_transformers"] = {"activation_fn": activation_fn, "version": "5.0.0"}
+        _write_json(out / "config.json", cfg)
+    return out
+
+
+def build_qwen3_reranker(
+    out_dir: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A small Qwen3-Reranker: a ``Qwen3ForCausalLM`` checkpoint (random weights, its LM head stored unless
+    tied) with the real Qwen3 tokenizer, as Qwen/Qwen3-Reranker-* ship."""
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "max_window_layers": layers}
+    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    shape.update(intermediate_size=3 * hidden)
+    kwargs = _qwen3_config_kwargs(vocab_size=QWEN3_VOCAB_SIZE, architectures=["Qwen3ForCausalLM"], **shape)
+    kwargs["tie_word_embeddings"] = tie_word_embeddings
+    config = transformers.Qwen3Config(**kwargs)
+    model = _build_model(transformers.Qwen3ForCausalLM, config, seed)
+    model.save_pretrained(str(out))
+    _add_legacy_config_keys(out / "config.json", ["Qwen3ForCausalLM"])
+    build_qwen3_tokenizer(out)
+    return out

@@ -13,6 +13,7 @@ from ember.api.errors import install_error_handlers
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
 from ember.api.routes import Context, inference, probes
+from ember.api.scoring import scoring
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.version import __version__
@@ -35,7 +36,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     app = FastAPIOffline(  # /docs and /redoc with their assets served from the package: no CDN, air-gap safe
         title="ember",
         version=__version__,
-        description="CPU-native, OpenAI- and vLLM-compatible embedding server",
+        description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
         lifespan=lifespan,
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
@@ -48,6 +49,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     engine.observer = metrics.observe_batch
     install_error_handlers(app)
     app.include_router(inference)
+    app.include_router(scoring)
     app.include_router(probes)
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes)
     return app

@@ -22,6 +22,7 @@ access_log = logging.getLogger("ember.access")
 _KNOWN_PATHS = {
     "/v1/embeddings", "/embeddings", "/pooling", "/tokenize", "/detokenize", "/v1/models", "/health", "/ping",
     "/version", "/info", "/metrics", "/docs", "/openapi.json",
+    "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score",
 }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
 from ember.api.metrics import Metrics
-from ember.api.responses import JSONBytes
+from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -33,7 +33,7 @@ from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
 from ember.version import __version__
 
-__all__ = ["Context", "inference", "probes"]
+__all__ = ["ClientGone", "Context", "context", "inference", "probes", "require_api_key", "until_disconnect"]
 
 
 @dataclass
@@ -54,14 +54,14 @@ class Context:
             raise HTTPException(404, f"The model `{model}` does not exist.")
 
 
-def _ctx(request: Request) -> Context:
+def context(request: Request) -> Context:
     ctx: Context = request.app.state.ctx
     return ctx
 
 
 async def require_api_key(request: Request) -> None:
     """401 unless the request carries one of the configured keys (compared in constant time)."""
-    keys = _ctx(request).config.api_keys
+    keys = context(request).config.api_keys
     if not keys:
         return
     auth = request.headers.get("authorization", "")
@@ -116,7 +116,7 @@ def _encode(vector: np.ndarray, encoding_format: str | None) -> Any:
 
 
 async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, EmbedResult]:
-    ctx = _ctx(request)
+    ctx = context(request)
     ctx.check_model(body.model)
     try:
         result: EmbedResult = await until_disconnect(request, ctx.engine.embed(body.input, _params(body)))
@@ -145,12 +145,7 @@ def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, 
         "created": int(time.time()),
         "model": ctx.model_name,
         "data": data,
-        "usage": {
-            "prompt_tokens": tokens,
-            "total_tokens": tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": usage(tokens),
     }
 
 
@@ -169,7 +164,7 @@ async def pooling(body: EmbeddingRequest, request: Request) -> Response:
 
 @inference.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    ctx = _ctx(request)
+    ctx = context(request)
     ctx.check_model(body.model)
     tok = ctx.engine.tokenizer
     ids: list[int] = await ctx.engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
@@ -179,7 +174,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @inference.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    ctx = _ctx(request)
+    ctx = context(request)
     ctx.check_model(body.model)
     text: str = await ctx.engine.run_in_tokenizer(ctx.engine.tokenizer.decode, body.tokens)
     return DetokenizeResponse(prompt=text)
@@ -187,7 +182,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 @inference.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, Any]:
-    ctx = _ctx(request)
+    ctx = context(request)
     card = {
         "object": "model",
         "created": ctx.created,
@@ -195,6 +190,7 @@ async def models(request: Request) -> dict[str, Any]:
         "root": ctx.config.model_path or ctx.model_name,
         "parent": None,
         "max_model_len": ctx.engine.info.max_model_len,
+        "task": ctx.engine.info.task,
         "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": ctx.created}],
     }
     return {"object": "list", "data": [{"id": name, **card} for name in ctx.config.served_model_names]}
@@ -205,7 +201,7 @@ async def models(request: Request) -> dict[str, Any]:
 @probes.post("/ping", include_in_schema=False)
 async def health(request: Request) -> Response:
     """200 while the engine can embed; 503 once it cannot (or while draining)."""
-    engine = _ctx(request).engine
+    engine = context(request).engine
     return Response(status_code=200 if engine.alive and not engine.closing else 503)
 
 
@@ -217,13 +213,13 @@ async def version() -> dict[str, str]:
 @probes.get("/info")
 async def info(request: Request) -> dict[str, Any]:
     """What this server runs: the model, its task and dtype, and which kernels are active and why."""
-    ctx = _ctx(request)
+    ctx = context(request)
     model = ctx.engine.info
     return {
         "version": __version__,
         "model": ctx.model_name,
         "architecture": model.architecture,
-        "task": "embed",
+        "task": model.task,
         "dtype": model.dtype,
         "dimension": model.dimension,
         "max_model_len": model.max_model_len,
@@ -233,4 +229,4 @@ async def info(request: Request) -> dict[str, Any]:
 
 @probes.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(context(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -15,6 +15,8 @@ __all__ = [
     "EmbeddingRequest",
     "EmbeddingResponse",
     "ModelList",
+    "RerankRequest",
+    "ScoreRequest",
     "TokenizeRequest",
     "TokenizeResponse",
 ]
@@ -112,9 +114,45 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    task: str | None = None
     permission: list[dict[str, Any]] = []
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    text: str
+
+
+class RerankRequest(_Request):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's and Cohere's fields)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=0, description="the best n results; null or 0: all")
+    return_documents: bool | None = Field(None, description="each result carries its document unless false")
+    max_tokens_per_doc: int | None = Field(None, ge=1, description="cut each document to this many tokens")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="cut each pair to k tokens (-1: max)")
+    instruction: str | None = Field(None, description="Qwen3-Reranker's task instruction")
+    use_activation: bool | None = Field(None, description="false: raw logits")
+    rank_fields: list[str] | None = None
+
+
+class ScoreRequest(_Request):
+    """POST /score, /v1/score: text_1/text_2 (or queries/documents, data_1/data_2), paired 1:1, 1:N or N:N."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    instruction: str | None = None
+    use_activation: bool | None = None

@@ -123,7 +123,7 @@ def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]
     return {
         "path": str(p.path),
         "architecture": p.architecture,
-        "task": "embed",
+        "task": p.cls.task,
         "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if quantization else ""),
         "max_model_len": p.max_model_len,
         "weights_bytes": p.memory.weights_bytes,

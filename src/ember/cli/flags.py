@@ -107,8 +107,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
     p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')
     p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])
-    p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"])
-    p.add_argument("--task", default=None, help="deprecated vLLM flag; embed/embedding accepted")
+    p.add_argument(
+        "--convert", default="auto", choices=["auto", "none", "embed", "score", "classify", "reward"],
+        help="accepted for vLLM compatibility: the checkpoint decides embed (a vector per input) or score (pairs)",
+    )  # fmt: skip
+    p.add_argument("--task", default=None, help="deprecated vLLM flag; embed, embedding, score and rerank accepted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument(
         "--threads",
@@ -135,13 +138,13 @@ def warn_ignored(args: argparse.Namespace) -> None:
 
 
 def check_runner(args: argparse.Namespace) -> None:
-    """Refuse anything but an embedding runner, with a message that says why."""
+    """Refuse anything but a pooling runner (embed or score: the checkpoint decides), saying why."""
     task = (args.task or "").lower()
     if args.runner in ("generate", "draft") or task in ("generate", "transcription", "draft"):
         raise ConfigError(
-            "ember serves embedding models only (vLLM's --runner pooling); text generation is not supported"
+            "ember serves embedding and score models only (vLLM's --runner pooling); text generation is not supported"
         )
-    if args.convert in ("classify", "reward") or task in ("classify", "score", "reward"):
+    if args.convert in ("classify", "reward") or task in ("classify", "reward"):
         raise ConfigError(f"ember does not serve {args.convert if args.convert != 'auto' else task} models yet")
     if args.tensor_parallel_size != 1:
         raise ConfigError("--tensor-parallel-size must be 1: ember runs one process on CPU")

@@ -32,6 +32,7 @@ from ember.models.checkpoint import (
     release_mapped_pages,
     resolve_model,
 )
+from ember.models.classifier import activation, num_labels
 from ember.models.dense import Dense
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
@@ -41,7 +42,7 @@ from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
 from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo, PoolingSpec
+from ember.types import Activation, ModelInfo, PoolingSpec
 
 __all__ = ["Loaded", "ModelPlan", "build_engine", "load", "plan"]
 
@@ -63,6 +64,8 @@ class ModelPlan:
     dtype: torch.dtype
     max_model_len: int
     memory: MemoryPlan
+    activation: Activation = "identity"
+    """A score model's: what turns its logits into scores."""
 
     @property
     def name(self) -> str:
@@ -90,7 +93,11 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
     arch, cls = model_class(hf_config)
     st = read_st_modules(path)
-    pooling = resolve_pooling(st, config.pooler, is_decoder=cls.is_decoder)
+    if cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
+        pooling = PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")
+        hf_config = _with_classifier_tokens(hf_config, path)
+    else:
+        pooling = resolve_pooling(st, config.pooler, is_decoder=cls.is_decoder)
     dtype = torch_dtype(config.dtype)
     with torch.device("meta"):
         shape = cls.from_config(hf_config)  # weightless: sizes, positions and the int8 layers' count
@@ -112,7 +119,19 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
         limit_override=config.memory_limit,
         dtype_bytes=size,
     )
-    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan)
+    act = activation(hf_config) if cls.task == "score" else "identity"
+    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, act)
+
+
+def _with_classifier_tokens(hf_config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """config.json plus the ids of `classifier_from_token` (Qwen3-Reranker's "no" and "yes"), from the tokenizer."""
+    tokens = hf_config.get("classifier_from_token")
+    if not tokens:
+        return hf_config
+    ids = [Tokenizer.from_dir(path, hf_config).token_id(t) for t in tokens]
+    if None in ids:
+        raise CheckpointError(f"classifier_from_token {tokens} names tokens the tokenizer does not have")
+    return {**hf_config, "classifier_token_ids": ids}
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
@@ -133,13 +152,15 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
     if pack_linears(net, p.dtype) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
-    dense = [Dense.load(d) for d in p.st.dense_dirs]
-    tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST")
+    score = p.cls.task == "score"
+    dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
+    # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
+    tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     dims = p.hf_config.get("matryoshka_dimensions")
     info = ModelInfo(
         name=p.name,
         architecture=p.architecture,
-        dimension=dense[-1].linear.out_features if dense else net.hidden_size,
+        dimension=num_labels(p.hf_config) if score else dense[-1].linear.out_features if dense else net.hidden_size,
         max_model_len=p.max_model_len,
         dtype=str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if config.quantization else ""),
         pooling=p.pooling,
@@ -148,6 +169,10 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         prompts=p.st.prompts,
         default_prompt_name=p.st.default_prompt_name,
         vocab_size=tokenizer.vocab_size,
+        task=p.cls.task,
+        num_labels=num_labels(p.hf_config) if score else 0,
+        activation=p.activation,
+        pair_template="qwen3-reranker" if score and p.cls.is_decoder else "tokenizer",
     )
     seconds = time.perf_counter() - start
     log.info(
@@ -166,7 +191,7 @@ def _load_weights(p: ModelPlan) -> Architecture:
         net = p.cls.from_config(p.hf_config)
     expected = {k: v.shape for k, v in net.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_weights(p.path):
+    for name, tensor in iter_weights(p.path, p.cls.checkpoint_rows(p.hf_config)):
         key = p.cls.checkpoint_key(name)
         if key is None:
             continue

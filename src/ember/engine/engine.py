@@ -20,12 +20,13 @@ from typing import Any
 
 from ember.config import EngineConfig, PoolerConfig
 from ember.engine.inputs import EmbedParams, Preprocessor
-from ember.engine.scheduler import Request, Scheduler, WorkItem
-from ember.errors import EmberError, EngineDeadError, ShuttingDownError
+from ember.engine.pairs import PairPreprocessor, ScoreParams
+from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
+from ember.errors import EmberError, EngineDeadError, InputError, ShuttingDownError
 from ember.tokenizer import Tokenizer
 from ember.types import KernelStatus, ModelInfo, Runner
 
-__all__ = ["AsyncEngine", "EmbedParams", "EmbedResult"]
+__all__ = ["AsyncEngine", "EmbedParams", "EmbedResult", "ScoreParams", "ScoreResult"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,16 @@ class EmbedResult:
     """Vectors in input order, exact token counts, and where the time went."""
 
     vectors: list[Any]  # (D,) float32 arrays
+    token_counts: list[int]
+    queue_seconds: float
+    inference_seconds: float
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A score per pair in request order, exact token counts, and where the time went."""
+
+    scores: list[float]
     token_counts: list[int]
     queue_seconds: float
     inference_seconds: float
@@ -63,6 +74,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.preprocessor = Preprocessor(runner.info, tokenizer, pooler or PoolerConfig(), self.config.auto_truncate)
+        self.pairs = PairPreprocessor(runner.info, tokenizer, self.config.auto_truncate)
         self.scheduler = Scheduler(self.config)
         self.observer = observer
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
@@ -152,13 +164,60 @@ class AsyncEngine:
         """Embed inputs (texts or token ids); raises EmberError subclasses for bad input or overload."""
         params = params or EmbedParams()
         self._check_accepting()
+        if self.info.task != "embed":
+            raise InputError(
+                f"this model ({self.info.architecture}) scores (query, document) pairs: use /rerank or /score", "input"
+            )
         prepared = self.preprocessor.check(inputs, params)
         self.scheduler.check_room()
         small = sum(len(x) for x in prepared.items) <= _INLINE_TOKENIZE_CHARS
         # a short request tokenises in microseconds: handing it to a thread would cost more
         fit = self.preprocessor.fit
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
-        request = self.scheduler.admit([f.windows for f in fitted], [f.tokens for f in fitted], time.monotonic())
+        request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted])
+        return EmbedResult(
+            self.preprocessor.vectors(request.windows, request.pooled, prepared),
+            request.token_counts,
+            *self._times(request),
+        )
+
+    async def score(self, pairs: list[tuple[str, str]], params: ScoreParams | None = None) -> ScoreResult:
+        """A relevance score per (query, document) pair: the cross-encoder's (or reranker's), or for an embedding
+        model the cosine of the two texts' embeddings."""
+        params = params or ScoreParams()
+        self._check_accepting()
+        if self.info.task == "embed":
+            return await self._cosine(pairs, params)
+        self.scheduler.check_room()
+        small = sum(len(a) + len(b) for a, b in pairs) <= _INLINE_TOKENIZE_CHARS
+        fit = self.pairs.fit
+        built = fit(pairs, params) if small else await self.run_in_tokenizer(fit, pairs, params)
+        request = await self._run_request(
+            [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built]
+        )
+        scores = [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]
+        return ScoreResult(scores, request.token_counts, *self._times(request))
+
+    async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams) -> ScoreResult:
+        """vLLM's bi-encoder score: each distinct text embedded once, then the cosine of each pair's vectors."""
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        result = await self.embed(
+            texts, EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        )
+        at = {t: i for i, t in enumerate(texts)}
+        scores = [float(result.vectors[at[a]] @ result.vectors[at[b]]) for a, b in pairs]
+        counted: set[str] = set()  # usage counts each text embedded once, with the first pair it appears in
+        counts = []
+        for pair in pairs:
+            counts.append(sum(result.token_counts[at[t]] for t in dict.fromkeys(pair) if t not in counted))
+            counted.update(pair)
+        return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds)
+
+    async def _run_request(
+        self, windows: list[list[list[int]]], counts: list[int], types: list[list[list[int]]] | None = None
+    ) -> Request:
+        """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed."""
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None
         self._wakeup.set()
@@ -166,14 +225,13 @@ class AsyncEngine:
             await future
         finally:
             del self._futures[id(request)]
-            self.scheduler.release(request)  # cancelled callers' queued work is dropped, never computed
-        started = request.first_batch or request.arrival
-        return EmbedResult(
-            self.preprocessor.vectors(request.windows, request.pooled, prepared),
-            request.token_counts,
-            queue_seconds=started - request.arrival,
-            inference_seconds=request.inference_seconds,
-        )
+            self.scheduler.release(request)
+        return request
+
+    @staticmethod
+    def _times(request: Request) -> tuple[float, float]:
+        """(seconds queued before its first batch, seconds of the batches it ran in)."""
+        return (request.first_batch or request.arrival) - request.arrival, request.inference_seconds
 
     def _check_accepting(self) -> None:
         if self.closing:
@@ -203,7 +261,7 @@ class AsyncEngine:
         tokens = sum(len(it.ids) for it in batch)
         self.running_seqs, self.running_tokens = len(batch), tokens
         try:
-            out = await loop.run_in_executor(self._model_thread, self.runner.embed, [it.ids for it in batch])
+            out = await loop.run_in_executor(self._model_thread, self.runner.embed, *batch_inputs(batch))
         except Exception as e:  # the model failed on this batch: fail its requests, keep serving
             log.exception("batch of %d sequences failed", len(batch))
             error = e if isinstance(e, EmberError) else EmberError(f"embedding failed: {e}")

@@ -27,6 +27,7 @@ __all__ = [
     "fit_length",
     "split_inputs",
     "tokenize",
+    "truncation_length",
 ]
 
 Input = str | list[int]
@@ -146,9 +147,10 @@ def fit_length(
     return Fitted(split_windows(ids, max_model_len, specials, pooler.chunk_overlap), len(ids))
 
 
-def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: Specials) -> list[int]:
+def truncation_length(k: int, max_model_len: int) -> int:
+    """The tokens a request's truncate_prompt_tokens keeps (-1: max_model_len), refused as vLLM refuses it."""
     if k == -1:
-        k = max_model_len
+        return max_model_len
     if k < 1:
         raise InputError("truncate_prompt_tokens must be -1 or a positive number of tokens", "truncate_prompt_tokens")
     if k > max_model_len:
@@ -156,6 +158,11 @@ def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: 
             "truncate_prompt_tokens value is greater than max_model_len. Please, select a smaller truncation size.",
             "truncate_prompt_tokens",
         )
+    return k
+
+
+def _truncated(ids: list[int], k: int, side: str, max_model_len: int, specials: Specials) -> list[int]:
+    k = truncation_length(k, max_model_len)
     if side not in ("left", "right"):
         raise InputError(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
     return truncate(ids, k, side, specials)

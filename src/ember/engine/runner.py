@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
 from ember.config import NativeConfig
+from ember.models.base import Architecture
 from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
@@ -26,7 +26,7 @@ class TorchRunner:
     """Embeds packed batches: (B sequences of token ids) -> (B, dimension) float32 pooled vectors."""
 
     def __init__(
-        self, model: nn.Module, info: ModelInfo, dense: list[Dense] | None = None, native: NativeConfig | None = None
+        self, model: Architecture, info: ModelInfo, dense: list[Dense] | None = None, native: NativeConfig | None = None
     ) -> None:
         self.model = model
         self.info = info
@@ -36,18 +36,20 @@ class TorchRunner:
         """True once compile() has built the fused kernels: embed() then uses them."""
 
     @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
+    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
         seqlens = [len(ids) for ids in batch]
         total = sum(seqlens)
         filler = padded_tokens(total) - total  # one more sequence, of token 0, that nothing reads
-        flat = np.zeros(total + filler, dtype=np.int64)
-        flat[:total] = np.fromiter((t for ids in batch for t in ids), dtype=np.int64, count=total)
+        input_ids = torch.from_numpy(_flat(batch, total + filler))  # (T,)
+        types = torch.from_numpy(_flat(token_types, total + filler)) if token_types else None  # (T,)
         lens = [*seqlens, filler] if filler else seqlens
-        input_ids = torch.from_numpy(flat)  # (T,)
         positions = _positions(lens)  # (T,)
         with compiled(self.compiled):
-            hidden = self.model(input_ids, positions, lens)  # (T, H)
+            hidden = self.model(input_ids, positions, lens, types)  # (T, H)
         pooled = pool(hidden[:total], seqlens, self.info.pooling.method)  # (B, H) float32
+        logits = self.model.classify(pooled.to(hidden.dtype))
+        if logits is not None:  # a score model: (B, num_labels)
+            return logits.float().numpy()
         for dense in self.dense:
             pooled = dense(pooled)
         return pooled.numpy()
@@ -81,6 +83,14 @@ def padded_tokens(n: int) -> int:
     cover every batch up to the token slice, and the padding is at most 1/8 of a batch (~2% above 1,024)."""
     step = 16 if n < 512 else 64
     return -(-n // step) * step
+
+
+def _flat(seqs: list[list[int]], length: int) -> np.ndarray:
+    """The sequences end to end, zero-filled to `length`: (length,) int64."""
+    total = sum(len(s) for s in seqs)
+    flat = np.zeros(length, dtype=np.int64)
+    flat[:total] = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=total)
+    return flat
 
 
 def _positions(seqlens: list[int]) -> torch.Tensor:

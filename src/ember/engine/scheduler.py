@@ -19,7 +19,7 @@ import numpy as np
 from ember.config import EngineConfig
 from ember.errors import OverloadedError
 
-__all__ = ["Request", "Scheduler", "WorkItem"]
+__all__ = ["Request", "Scheduler", "WorkItem", "batch_inputs"]
 
 CONCURRENCY_MEMORY_SECONDS = 1.0
 """How long a peak of requests in flight sets how many requests a batch waits for."""
@@ -36,6 +36,7 @@ class Request:
     token_counts: list[int]  # per input, the tokens reported in usage
     arrival: float
     pending: int  # windows not yet computed
+    token_types: list[list[list[int]]] | None = None  # per window, its tokens' segments (pairs); None: all 0
     in_queue: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
@@ -61,6 +62,7 @@ class WorkItem:
     request: Request = field(compare=False)
     key: tuple[int, int] = field(compare=False)  # (input index, window index)
     ids: list[int] = field(compare=False)
+    types: list[int] | None = field(compare=False, default=None)
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,17 @@ class Scheduler:
             retry_after=round(wait),
         )
 
-    def admit(self, windows: list[list[list[int]]], token_counts: list[int], now: float) -> Request:
-        """Queue a request's windows, or raise OverloadedError when the queue's budgets are spent."""
+    def admit(
+        self,
+        windows: list[list[list[int]]],
+        token_counts: list[int],
+        now: float,
+        token_types: list[list[list[int]]] | None = None,
+    ) -> Request:
+        """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
+        queue's budgets are spent."""
         pending = sum(len(ws) for ws in windows)
-        request = Request(windows, token_counts, now, pending)
+        request = Request(windows, token_counts, now, pending, token_types)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
@@ -124,7 +133,8 @@ class Scheduler:
         deadline = now + request.tokens * self.seconds_per_token
         for i, ws in enumerate(windows):
             for j, ids in enumerate(ws):
-                heapq.heappush(self._heap, WorkItem(deadline, next(self._counter), request, (i, j), ids))
+                types = token_types[i][j] if token_types else None
+                heapq.heappush(self._heap, WorkItem(deadline, next(self._counter), request, (i, j), ids, types))
                 self._heap_tokens += len(ids)
         request.in_queue = pending
         self._waiting += pending > 0
@@ -222,3 +232,11 @@ class Scheduler:
                 request.failed = error
                 failed.append(request)
         return failed
+
+
+def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]] | None]:
+    """A batch's token ids and, when any of its items has them, token types (0 for the others)."""
+    ids = [it.ids for it in batch]
+    if all(it.types is None for it in batch):
+        return ids, None
+    return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch]

@@ -3,7 +3,7 @@
 An architecture is an `nn.Module` that runs packed batches (token ids and positions (T,), sequence lengths)
 to hidden states (T, hidden). Its class says how it is built from config.json, how checkpoint keys map to its
 parameters, whether it is a decoder (pooled on the last token, EOS appended), and which linear layers
-`--quantization int8` may replace. Rerank heads and new architectures plug in here.
+`--quantization int8` may replace. Score models (cross-encoders, rerankers) add a head on the pooled states.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import nn
 
+from ember.types import Task
+
 __all__ = ["Architecture"]
 
 
 class Architecture(nn.Module, ABC):
     """Token ids in, final hidden states out, for sequences laid end to end."""
 
+    task: ClassVar[Task] = "embed"
+    """score for models with a classification head (classify), else embed."""
     is_decoder: ClassVar[bool] = False
     """Causal attention and LAST pooling by default (an EOS token ends each input)."""
     int8_layers: ClassVar[str]
@@ -48,5 +52,23 @@ class Architecture(nn.Module, ABC):
         """The longest input the position embeddings (or rotary range) cover."""
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """input_ids, positions: (T,), positions from 0 per sequence; returns (T, hidden)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqlens: list[int],
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions (from 0 per sequence), token_types (a pair's segments, where the model has them;
+        None: all 0): (T,); returns (T, hidden)."""
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor | None:
+        """A score model's head on its pooled hidden states (B, hidden) -> (B, num_labels) logits; None for an
+        embedding model (its pooled states are the output)."""
+        return None
+
+    @staticmethod
+    def checkpoint_rows(cfg: dict[str, Any]) -> dict[str, list[int]]:
+        """Checkpoint tensors of which only some rows are needed, read row by row (e.g. two rows of a
+        (vocabulary, hidden) LM head): name -> rows."""
+        return {}

@@ -190,9 +190,17 @@ class BertModel(Architecture):
         # Old BERT checkpoints name LayerNorm parameters gamma/beta.
         return name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """input_ids, positions: (T,) with positions from 0 per sequence; returns (T, hidden)."""
-        token_types = torch.zeros_like(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqlens: list[int],
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions (from 0 per sequence), token_types (segments of a pair; None: all 0): (T,);
+        returns (T, hidden)."""
+        if token_types is None or self.args.type_vocab_size < 2:  # XLM-R and RoBERTa have one segment
+            token_types = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions + self.args.position_offset, token_types)
         for layer in self.encoder.layer:
             x = layer(x, seqlens)

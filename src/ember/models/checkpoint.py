@@ -176,16 +176,23 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight in the checkpoint, one at a time."""
+def iter_weights(path: Path, rows: dict[str, list[int]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight in the checkpoint, one at a time; for a name in `rows`, only those rows
+    (read on their own: two rows of a (vocabulary, hidden) matrix, never the matrix)."""
+    rows = rows or {}
     for file in weight_files(path):
         if file.suffix == ".bin":
-            yield from _read_bin(file)
+            for name, tensor in _read_bin(file):
+                yield name, (tensor[rows[name]] if name in rows else tensor)
             continue
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if name in rows:
+                        part = f.get_slice(name)
+                        yield name, torch.cat([part[i : i + 1] for i in rows[name]])
+                    else:
+                        yield name, f.get_tensor(name)
         except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"cannot read {file}: {e}") from None
 

@@ -176,8 +176,14 @@ class Qwen3Model(Architecture):
             return None
         return name.removeprefix("model.")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """input_ids, positions: (T,); returns hidden states (T, hidden)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqlens: list[int],
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in Qwen3.)"""
         x = self.embed_tokens(input_ids)  # (T, H)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
         cu = seq_offsets(seqlens)

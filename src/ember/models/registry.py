@@ -7,6 +7,11 @@ from typing import Any
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
 from ember.models.bert import BertModel
+from ember.models.classifier import (
+    BertForSequenceClassification,
+    Qwen3ForSequenceClassification,
+    RobertaForSequenceClassification,
+)
 from ember.models.qwen3 import Qwen3Model
 
 __all__ = ["ARCHITECTURES", "model_class"]
@@ -19,6 +24,10 @@ ARCHITECTURES: dict[str, type[Architecture]] = {
     "XLMRobertaModel": BertModel,
     "XLMRobertaForMaskedLM": BertModel,
     "RobertaModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 _BY_MODEL_TYPE = {"qwen3": "Qwen3Model", "bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 

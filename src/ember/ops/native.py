@@ -54,7 +54,7 @@ class _Kernel:
 
 _KERNELS = (
     _Kernel("attention", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}), "torch's SDPA"),
-    _Kernel("int8_gemm", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}), "oneDNN's int8 matmul"),
+    _Kernel("int8_gemm", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
 )
 

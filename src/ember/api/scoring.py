@@ -1,0 +1,102 @@
+"""The scoring routes: vLLM's /rerank (also /v1 and Cohere's /v2) and /score, on the engine's score().
+
+Handlers only translate: request body -> (query, document) pairs -> engine.score -> vLLM's response shapes,
+with Cohere's `meta` beside them (LiteLLM reads its billed tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+
+from ember.api.responses import JSONBytes, usage
+from ember.api.routes import ClientGone, context, require_api_key, until_disconnect
+from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
+from ember.engine.engine import ScoreParams, ScoreResult
+from ember.errors import InputError
+
+__all__ = ["scoring"]
+
+scoring = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def _score(request: Request, model: str | None, pairs: list[tuple[str, str]], params: ScoreParams) -> Any:
+    ctx = context(request)
+    ctx.check_model(model)
+    try:
+        result: ScoreResult = await until_disconnect(request, ctx.engine.score(pairs, params))
+    except ClientGone:
+        raise HTTPException(499, "client closed the request") from None
+    tokens = sum(result.token_counts)
+    request.state.queue_seconds, request.state.inference_seconds = result.queue_seconds, result.inference_seconds
+    request.state.tokens = tokens
+    ctx.metrics.tokens.inc(tokens)
+    ctx.metrics.queue_time.observe(result.queue_seconds)
+    ctx.metrics.inference_time.observe(result.inference_seconds)
+    return ctx, result, tokens
+
+
+def _text(doc: str | RerankDocument) -> str:
+    return doc if isinstance(doc, str) else doc.text
+
+
+@scoring.post("/rerank")
+@scoring.post("/v1/rerank")
+@scoring.post("/v2/rerank")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    """Documents ranked by relevance to the query, best first (vLLM's response, with Cohere's `meta`)."""
+    if not body.documents:
+        raise InputError("'documents' must not be empty", "documents")
+    texts = [_text(d) for d in body.documents]
+    params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
+    ctx, result, tokens = await _score(request, body.model, [(body.query, t) for t in texts], params)
+    order = sorted(range(len(texts)), key=lambda i: -result.scores[i])[: body.top_n or None]
+    results = [
+        {"index": i, "relevance_score": result.scores[i]}
+        | ({} if body.return_documents is False else {"document": {"text": texts[i]}})
+        for i in order
+    ]
+    return JSONBytes({
+        "id": f"rerank-{request.state.request_id}",
+        "model": ctx.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": results,
+        "meta": {"api_version": {"version": "2"}, "billed_units": {"total_tokens": tokens, "search_units": 1}},
+    })  # fmt: skip
+
+
+def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
+    """vLLM's pairing: one with one, one with each of N, or N with N in order."""
+    firsts = next((x for x in (body.text_1, body.queries, body.data_1) if x is not None), None)
+    seconds = next((x for x in (body.text_2, body.documents, body.data_2) if x is not None), None)
+    if firsts is None or seconds is None:
+        raise InputError("'text_1' and 'text_2' (or 'queries' and 'documents') are required", "text_1")
+    a = [firsts] if isinstance(firsts, str) else firsts
+    b = [seconds] if isinstance(seconds, str) else seconds
+    if not a or not b:
+        raise InputError("'text_1' and 'text_2' must not be empty", "text_2")
+    if len(a) == 1:
+        return [(a[0], t) for t in b]
+    if len(a) != len(b):
+        raise InputError(
+            f"text_1 has {len(a)} items and text_2 {len(b)}: give one text_1, or as many as text_2", "text_2"
+        )
+    return list(zip(a, b, strict=True))
+
+
+@scoring.post("/score")
+@scoring.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> Response:
+    """A score per pair, in order (vLLM's /score)."""
+    params = ScoreParams(body.truncate_prompt_tokens, None, body.use_activation, body.instruction)
+    ctx, result, tokens = await _score(request, body.model, _pairs(body), params)
+    return JSONBytes({
+        "id": f"score-{request.state.request_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
+        "usage": usage(tokens),
+    })  # fmt: skip

@@ -1,0 +1,114 @@
+"""Scoring inputs: (query, document) pairs turned into one model input each, and logits into scores (pure).
+
+A cross-encoder reads the pair through its tokenizer's pair template ([CLS] q [SEP] d [SEP], <s> q </s></s> d </s>)
+with token types marking the document. Qwen3-Reranker reads a chat prompt (system, `<Instruct>`, `<Query>`,
+`<Document>`, then an empty think block) and answers "yes" or "no"; a query a client already formatted that way
+(as vLLM's examples do) is used as it is. Too long a pair loses tokens from the document's end, never the query's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ember.engine.inputs import check_length, truncation_length
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo
+
+__all__ = ["DEFAULT_INSTRUCTION", "Pair", "PairPreprocessor", "ScoreParams", "qwen3_reranker_prompt"]
+
+QWEN3_RERANKER_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def qwen3_reranker_prompt(query: str, instruction: str | None = None) -> str:
+    """The part of Qwen3-Reranker's prompt before the document (the official format)."""
+    return f"{QWEN3_RERANKER_PREFIX}<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
+
+
+@dataclass(frozen=True)
+class ScoreParams:
+    """Per-request options of /rerank and /score (vLLM's and Cohere's field names)."""
+
+    truncate_prompt_tokens: int | None = None
+    """Cut each pair to this many tokens from the document's end (-1: max-model-len)."""
+    max_tokens_per_doc: int | None = None
+    """Cut each document to this many tokens before it is joined to the query."""
+    use_activation: bool | None = None
+    """False: raw logits; None or True: the model's activation (sigmoid, softmax or none)."""
+    instruction: str | None = None
+    """Qwen3-Reranker's task instruction; None: the official default."""
+
+
+class Pair(NamedTuple):
+    """One (query, document) input: token ids, token types, and the tokens it counts for in usage."""
+
+    ids: list[int]
+    types: list[int]
+    tokens: int
+
+
+class PairPreprocessor:
+    """Builds the model input of each pair, within the model's length, and reads scores from logits."""
+
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, auto_truncate: bool) -> None:
+        self.info, self.tokenizer, self.auto_truncate = info, tokenizer, auto_truncate
+
+    def fit(self, pairs: list[tuple[str, str]], params: ScoreParams) -> list[Pair]:
+        limit = self._limit(params)
+        if self.info.pair_template == "qwen3-reranker":
+            built = self._qwen3(pairs, params, limit)
+        else:
+            built = self.tokenizer.encode_pairs(pairs, limit, params.max_tokens_per_doc)
+        out = []
+        for ids, types, _ in built:
+            check_length(len(ids), self.info.max_model_len)  # the query alone may not fit
+            out.append(Pair(ids, types, len(ids)))
+        return out
+
+    def _limit(self, params: ScoreParams) -> int | None:
+        max_len, cut = self.info.max_model_len, params.truncate_prompt_tokens
+        if cut is None:
+            return max_len if self.auto_truncate else None
+        return truncation_length(cut, max_len)
+
+    def _qwen3(
+        self, pairs: list[tuple[str, str]], params: ScoreParams, limit: int | None
+    ) -> list[tuple[list[int], list[int], int]]:
+        """prompt + "<Document>: " + document + suffix; the document cut from its end to fit."""
+        tok = self.tokenizer
+        firsts = {
+            q: q if q.startswith("<|im_start|>") else qwen3_reranker_prompt(q, params.instruction) for q, _ in pairs
+        }
+        first_ids = dict(zip(firsts, tok.encode_batch(list(firsts.values()), False), strict=True))
+        docs = tok.encode_batch([d if firsts[q] == q else f"<Document>: {d}" for q, d in pairs], False)
+        suffix = [] if not firsts else tok.encode(QWEN3_RERANKER_SUFFIX, False)
+        out = []
+        for (q, _), doc in zip(pairs, docs, strict=True):
+            head, tail = first_ids[q], [] if firsts[q] == q else suffix
+            full = len(head) + len(doc) + len(tail)
+            if params.max_tokens_per_doc is not None:
+                doc = doc[: params.max_tokens_per_doc]
+            if limit is not None and len(head) + len(doc) + len(tail) > limit:
+                doc = doc[: max(0, limit - len(head) - len(tail))]
+            ids = head + doc + tail
+            out.append((ids, [0] * len(ids), full))
+        return out
+
+    def score(self, logits: np.ndarray, params: ScoreParams) -> float:
+        """One pair's score from its logits (num_labels,): the model's activation unless use_activation is false;
+        with several labels, the last one's (the "relevant" class of a two-label classifier)."""
+        x = logits.astype(np.float64)
+        act = self.info.activation if params.use_activation is not False else "identity"
+        if act == "sigmoid":
+            x = 1.0 / (1.0 + np.exp(-x))
+        elif act == "softmax":
+            x = np.exp(x - x.max())
+            x = x / x.sum()
+        return float(x[-1])

@@ -1,0 +1,161 @@
+"""Score models: a classification head on an encoder or decoder, with the checkpoint's own parameter names.
+
+- BERT (`BertForSequenceClassification`: cross-encoder/ms-marco-*, bge-reranker-base/large): the pooler (dense +
+  tanh on [CLS]) and `classifier`;
+- XLM-R and RoBERTa (`*ForSequenceClassification`: bge-reranker-v2-m3): `classifier.dense` + tanh, then
+  `classifier.out_proj`, on <s>;
+- Qwen3 (`Qwen3ForSequenceClassification`): `score` on the last token. Qwen3-Reranker ships as a causal LM that
+  answers "yes" or "no"; as vLLM does (`--hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
+  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'`), its score row is
+  lm_head[yes] - lm_head[no] (sigmoid of it is P(yes)), read as two rows, never the whole LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+import torch
+from torch import nn
+
+from ember.errors import UnsupportedModelError
+from ember.models.bert import BertArgs, BertModel
+from ember.models.qwen3 import Qwen3Args, Qwen3Model
+from ember.types import Activation
+
+__all__ = [
+    "BertForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+    "RobertaForSequenceClassification",
+    "activation",
+    "num_labels",
+]
+
+
+def num_labels(cfg: dict[str, Any]) -> int:
+    """How many outputs the classifier has (config.json's num_labels, or its id2label; transformers' default 2)."""
+    if cfg.get("is_original_qwen3_reranker"):
+        return 1
+    if cfg.get("classifier_from_token"):
+        return len(cfg["classifier_from_token"])
+    # transformers leaves both out for its default of two labels
+    return int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+
+
+class _Dense(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_in, d_out)
+
+
+class _RobertaHead(nn.Module):
+    def __init__(self, hidden: int, labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, labels)
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT with its pooler (dense + tanh on [CLS]) and classifier: (B, hidden) -> (B, num_labels)."""
+
+    task = "score"
+
+    def __init__(self, a: BertArgs, labels: int) -> None:
+        super().__init__(a)
+        self.pooler = _Dense(a.hidden_size, a.hidden_size)
+        self.classifier = nn.Linear(a.hidden_size, labels)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Self:
+        return cls(BertArgs.from_config(cfg), num_labels(cfg))
+
+    @staticmethod
+    def checkpoint_key(name: str) -> str | None:
+        if name.startswith(("classifier.", "bert.pooler.")):
+            return name.removeprefix("bert.")
+        return BertModel.checkpoint_key(name)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler.dense(pooled)))
+
+
+class RobertaForSequenceClassification(BertModel):
+    """XLM-R / RoBERTa with their classification head (dense + tanh, out_proj) on <s>."""
+
+    task = "score"
+
+    def __init__(self, a: BertArgs, labels: int) -> None:
+        super().__init__(a)
+        self.classifier = _RobertaHead(a.hidden_size, labels)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Self:
+        return cls(BertArgs.from_config(cfg), num_labels(cfg))
+
+    @staticmethod
+    def checkpoint_key(name: str) -> str | None:
+        if name.startswith("classifier."):
+            return name
+        return BertModel.checkpoint_key(name)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(pooled)))
+
+
+class Qwen3ForSequenceClassification(Qwen3Model):
+    """Qwen3 with a `score` layer on the last token: a seq-cls checkpoint's own, or Qwen3-Reranker's LM-head rows."""
+
+    task = "score"
+
+    def __init__(self, a: Qwen3Args, labels: int, token_ids: list[int] | None, yes_minus_no: bool) -> None:
+        super().__init__(a)
+        self.score = nn.Linear(a.hidden_size, labels, bias=False)
+        self.token_ids, self.yes_minus_no = token_ids, yes_minus_no
+        self._register_load_state_dict_pre_hook(self._score_from_lm_head)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Self:
+        ids = cfg.get("classifier_token_ids")  # the ids of classifier_from_token, found by the loader
+        return cls(Qwen3Args.from_config(cfg), num_labels(cfg), ids, bool(cfg.get("is_original_qwen3_reranker")))
+
+    @staticmethod
+    def checkpoint_key(name: str) -> str | None:
+        if name in ("score.weight", "lm_head.weight"):
+            return name
+        return Qwen3Model.checkpoint_key(name)
+
+    @staticmethod
+    def checkpoint_rows(cfg: dict[str, Any]) -> dict[str, list[int]]:
+        ids = cfg.get("classifier_token_ids")
+        return {"lm_head.weight": list(ids)} if ids else {}
+
+    def _score_from_lm_head(self, state: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+        """The LM head's rows for the classifier's tokens (read alone; or of the tied input embeddings) -> score."""
+        if f"{prefix}score.weight" in state or self.token_ids is None:
+            return
+        rows = state.pop(f"{prefix}lm_head.weight", None)
+        if rows is None:  # tied word embeddings: the LM head is the embedding matrix
+            rows = state[f"{prefix}embed_tokens.weight"][self.token_ids]
+        rows = rows.float()  # (len(token_ids), H)
+        weight = (rows[1] - rows[0])[None] if self.yes_minus_no else rows
+        state[f"{prefix}score.weight"] = weight.to(state[f"{prefix}embed_tokens.weight"].dtype)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.score(pooled)
+
+
+_ACTIVATIONS: dict[str, Activation] = {"identity": "identity", "sigmoid": "sigmoid", "softmax": "softmax"}
+
+
+def activation(cfg: dict[str, Any]) -> Activation:
+    """What turns logits into scores, as sentence-transformers' CrossEncoder and vLLM decide: config.json's
+    sentence_transformers.activation_fn (ms-marco models say Identity), else sbert_ce_default_activation_function,
+    else sigmoid for one label and softmax for more."""
+    named = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function"
+    )
+    if named:
+        short = str(named).rsplit(".", 1)[-1].lower()
+        if short in _ACTIVATIONS:
+            return _ACTIVATIONS[short]
+        raise UnsupportedModelError(f"score activation {named!r} is not supported (Identity, Sigmoid or Softmax)")
+    return "sigmoid" if num_labels(cfg) == 1 else "softmax"
