@@ -42,7 +42,7 @@ class FakeRunner:
         self.compile_error: Exception | None = None
         self.compiled = threading.Event()
 
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
+    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
         self.gate.wait(10)
         self.batches.append([list(ids) for ids in batch])
         if self.fail_when is not None and self.fail_when(batch):

@@ -1,4 +1,4 @@
-"""The offline Embedder: the server's validation and batching, in-process."""
+"""The offline Embedder: the server's validation and batching, in-process (the Reranker: test_rerank.py)."""
 
 import numpy as np
 import pytest
@@ -26,9 +26,9 @@ def _recording(embedder):
     seen = []
     embed = embedder._loaded.runner.embed
 
-    def record(batch):
+    def record(batch, token_types=None):
         seen.append([len(ids) for ids in batch])
-        return embed(batch)
+        return embed(batch, token_types)
 
     embedder._loaded.runner.embed = record
     return seen
