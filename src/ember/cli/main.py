@@ -11,15 +11,18 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ember.cli import bench, doctor, serve
+    from ember.cli import bench, doctor, embed, serve
 
     parser = argparse.ArgumentParser(
-        prog="ember", description="CPU-native, OpenAI-compatible embedding server", allow_abbrev=False
+        prog="ember",
+        description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
     doctor.add_parser(sub)
+    embed.add_parser(sub)
     bench.add_parser(sub)
     args = parser.parse_args(argv)  # unknown flags are an error, as in vLLM: never silently misparsed
     return int(args.run(args) or 0)

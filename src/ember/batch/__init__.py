@@ -1,0 +1,1 @@
+"""Bulk indexing: `ember embed` over files, in parts that a restarted run skips."""

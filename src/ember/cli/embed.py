@@ -1,0 +1,114 @@
+"""`ember embed INPUT... -o OUTPUT`: embed a corpus of files into Parquet parts, with progress and resume."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from ember.cli.flags import parse_json_flag, parse_size
+from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
+from ember.errors import EmberError
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("ember.embed")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("embed", allow_abbrev=False, help="embed files (JSONL, CSV/TSV, Parquet, text) into Parquet")
+    p.add_argument("inputs", nargs="+", help="files, directories of parts, or globs")
+    p.add_argument("-o", "--output", required=True, help="output directory (Parquet parts and a manifest)")
+    p.add_argument("--model", default=None, help="local directory or hub id (default: the bundled MiniLM)")
+    p.add_argument("--text-column", default="text", help="the column holding the text (default: text)")
+    p.add_argument("--id-column", default=None, help="a column kept as `id` (default: the row number)")
+    p.add_argument("--keep-columns", nargs="+", default=[], help="other input columns copied to the output")
+    p.add_argument("--prompt-name", default=None, help="a prompt of the model's, e.g. query (Qwen3)")
+    p.add_argument("--dimensions", type=int, default=None, help="Matryoshka truncation")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="L2-normalise")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8"])
+    p.add_argument("--max-model-len", type=parse_size, default=None)
+    p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON (e.g. chunked processing)")
+    p.add_argument("--hf-overrides", default=None)
+    p.add_argument("--truncate", action="store_true", help="truncate over-long documents instead of skipping them")
+    p.add_argument("--part-rows", type=int, default=10_000, help="rows per output part (the unit of resume)")
+    p.add_argument("--overwrite", action="store_true", help="start over, deleting the parts of an earlier run")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="do not torch.compile the fused regions")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        maybe_reexec_with_allocator(sys.argv[1:])
+        threads = prepare_process(args.threads, None).threads
+        return _embed(args, threads)
+    except EmberError as e:
+        print(f"ember embed: {e}", file=sys.stderr)
+        return 2
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("model", "dtype", "quantization", "max_model_len", "pooler_config", "hf_overrides", "prompt_name",
+            "dimensions", "normalize", "truncate")  # fmt: skip
+    return {k: getattr(args, k) for k in keys}
+
+
+def _embed(args: argparse.Namespace, threads: int) -> int:
+    from ember.batch.job import EmbedJob, run_job
+    from ember.offline import Embedder
+
+    pooler = args.pooler_config
+    embedder = Embedder(
+        args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
+        pooler_config=pooler, hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+        auto_truncate=args.truncate, threads=threads, enforce_eager=args.enforce_eager, native=native_config(),
+    )  # fmt: skip
+
+    def embed(texts: list[str]) -> tuple[Any, list[int]]:
+        out = embedder.embed(texts, dimensions=args.dimensions, normalize=args.normalize, prompt_name=args.prompt_name)
+        return out.vectors, out.token_counts
+
+    job = EmbedJob(
+        tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
+        args.part_rows, args.overwrite, _options(args),
+    )  # fmt: skip
+    with _Progress() as progress:
+        summary = run_job(job, embed, progress)
+    print(summary.line(), file=sys.stderr)
+    print(json.dumps({"documents": summary.documents, "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
+                      "skipped": dict(summary.skipped), "interrupted": summary.interrupted}))  # fmt: skip
+    return 130 if summary.interrupted else 0
+
+
+class _Progress:
+    """A tqdm bar (rows, tokens/s, ETA unknown for streams) on a terminal; a log line every 10 s otherwise."""
+
+    def __enter__(self) -> _Progress:
+        from tqdm import tqdm
+
+        self.bar = tqdm(unit=" rows", dynamic_ncols=True) if sys.stderr.isatty() else None
+        self.rows = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+        return self
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        self.rows += rows
+        self.tokens += tokens
+        rate = self.tokens / max(1e-9, time.perf_counter() - self.start)
+        if self.bar is not None:
+            self.bar.update(rows)
+            self.bar.set_postfix_str(f"{rate:.0f} tokens/s")
+        elif time.perf_counter() - self.last >= 10:
+            self.last = time.perf_counter()
+            log.info("%d rows, %d tokens, %.0f tokens/s", self.rows, self.tokens, rate)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
