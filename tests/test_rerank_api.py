@@ -150,3 +150,39 @@ def test_the_api_key_guards_rerank_and_score(server):
     ok = httpx.post(server.url + "/score", json={"text_1": "q", "text_2": "d"}, headers={"Authorization": "Bearer k"})
     assert ok.status_code == 200
     assert 'ember_requests_total{endpoint="/score",status="200"} 1.0' in httpx.get(server.url + "/metrics").text
+
+
+def test_the_cohere_sdk_reranks_through_v2(server, offline):
+    cohere = pytest.importorskip("cohere")
+    docs = DOCUMENTS[:5]
+    expected = offline.score([(QUERIES[0], d) for d in docs])
+    client = cohere.ClientV2(api_key="k", base_url=server.url)
+    r = client.rerank(model="rr", query=QUERIES[0], documents=docs, top_n=2)
+    assert [x.index for x in r.results] == sorted(range(5), key=lambda i: -expected[i])[:2]
+    assert all(abs(x.relevance_score - expected[x.index]) < 1e-4 for x in r.results)
+    assert r.meta.billed_units.search_units == 1
+
+
+def _order(offline, query, docs, n):
+    scores = offline.score([(query, d) for d in docs])
+    return sorted(range(len(docs)), key=lambda i: -scores[i])[:n], scores
+
+
+def test_langchain_and_llamaindex_cohere_rerankers_take_ember_as_base_url(server, offline):
+    pytest.importorskip("langchain_cohere")
+    pytest.importorskip("llama_index.postprocessor.cohere_rerank")
+    from langchain_cohere import CohereRerank as LangChainRerank
+    from langchain_core.documents import Document
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.postprocessor.cohere_rerank import CohereRerank as LlamaIndexRerank
+
+    docs = DOCUMENTS[:5]
+    best, scores = _order(offline, QUERIES[0], docs, 2)
+    lc = LangChainRerank(cohere_api_key="k", base_url=server.url, model="rr", top_n=2)
+    ranked = lc.compress_documents([Document(page_content=d) for d in docs], QUERIES[0])
+    assert [docs.index(d.page_content) for d in ranked] == best
+    assert abs(ranked[0].metadata["relevance_score"] - scores[best[0]]) < 1e-4
+    li = LlamaIndexRerank(api_key="k", base_url=server.url, model="rr", top_n=2)
+    nodes = li.postprocess_nodes([NodeWithScore(node=TextNode(text=d)) for d in docs], QueryBundle(QUERIES[0]))
+    assert [docs.index(n.node.get_content()) for n in nodes] == best
+    assert abs(nodes[0].score - scores[best[0]]) < 1e-4
