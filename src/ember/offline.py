@@ -25,7 +25,7 @@ from ember.config import (
 from ember.engine.build import Loaded, load
 from ember.engine.cpu import set_threads
 from ember.engine.inputs import EmbedParams, Preprocessor
-from ember.engine.pairs import PairPreprocessor, ScoreParams
+from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, batch_inputs
 from ember.errors import InputError
 from ember.ops.fused import can_compile
@@ -153,10 +153,9 @@ class Reranker(_Offline):
             truncate_prompt_tokens=truncate_prompt_tokens, use_activation=use_activation, instruction=instruction
         )
         if self.info.task == "embed":  # vLLM's bi-encoder score: the cosine of the two texts' embeddings
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            vectors = self._embed(texts, EmbedParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens))
-            at = {t: i for i, t in enumerate(texts)}
-            return [float(vectors.vectors[at[a]] @ vectors.vectors[at[b]]) for a, b in pairs]
+            texts = distinct_texts(pairs)
+            out = self._embed(texts, EmbedParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens))
+            return cosine_scores(pairs, texts, list(out.vectors), out.token_counts)[0]
         built = self.pairs.fit(pairs, params)
         request = self._run([[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built])
         return [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]

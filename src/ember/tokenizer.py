@@ -84,9 +84,9 @@ class Tokenizer:
 
     def encode_pairs(
         self, pairs: list[tuple[str, str]], max_len: int | None = None, max_second: int | None = None
-    ) -> list[tuple[list[int], list[int], int]]:
+    ) -> list[tuple[list[int], list[int]]]:
         """Each (first, second) text pair joined by the tokenizer's pair template ([CLS] a [SEP] b [SEP], or
-        <s> a </s></s> b </s>): (ids, token type ids, tokens before any cut). The second text is cut to
+        <s> a </s></s> b </s>): (ids, token type ids). The second text is cut to
         `max_second` tokens, then so that the pair fits `max_len` (the first is never cut); each distinct first
         text is encoded once."""
         firsts = {a: None for a, _ in pairs}
@@ -96,13 +96,12 @@ class Tokenizer:
         out = []
         for (a, _), eb in zip(pairs, second_enc, strict=True):
             ea = first_enc[a]
-            full = len(ea.ids) + len(eb.ids) + extra
             if max_second is not None and len(eb.ids) > max_second:
                 eb.truncate(max_second)
             if max_len is not None and len(ea.ids) + len(eb.ids) + extra > max_len:
                 eb.truncate(max(0, max_len - extra - len(ea.ids)))
             joined = self._hf.post_process(ea, eb, add_special_tokens=True)
-            out.append((joined.ids, joined.type_ids, full))
+            out.append((joined.ids, joined.type_ids))
         return out
 
     def token_id(self, token: str) -> int | None:

@@ -261,6 +261,17 @@ def _qwen3_config_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
+def _qwen3_shape(
+    layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int | None
+) -> dict[str, Any]:
+    """The size fields of a small Qwen3Config."""
+    return {
+        "hidden_size": hidden, "num_hidden_layers": layers, "max_window_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": intermediate if intermediate is not None else 3 * hidden,
+    }  # fmt: skip
+
+
 def build_qwen3(
     out_dir: Path,
     *,
@@ -292,9 +303,7 @@ def build_qwen3(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = "Qwen3ForCausalLM" if with_model_prefix else "Qwen3Model"
-    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "max_window_layers": layers}
-    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    shape.update(intermediate_size=intermediate if intermediate is not None else 3 * hidden)
+    shape = _qwen3_shape(layers, hidden, heads, kv_heads, head_dim, intermediate)
     config = transformers.Qwen3Config(**_qwen3_config_kwargs(vocab_size=vocab_size, architectures=[arch], **shape))
     model = _build_model(transformers.Qwen3Model, config, seed, dtype)
     _save_model(model, out, prefix="model" if with_model_prefix else None, architectures=[arch])
@@ -750,9 +759,7 @@ def build_qwen3_reranker(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "max_window_layers": layers}
-    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    shape.update(intermediate_size=3 * hidden)
+    shape = _qwen3_shape(layers, hidden, heads, kv_heads, head_dim, None)
     kwargs = _qwen3_config_kwargs(vocab_size=QWEN3_VOCAB_SIZE, architectures=["Qwen3ForCausalLM"], **shape)
     kwargs["tie_word_embeddings"] = tie_word_embeddings
     config = transformers.Qwen3Config(**kwargs)

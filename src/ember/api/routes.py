@@ -11,8 +11,9 @@ import base64
 import hmac
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
@@ -30,10 +31,10 @@ from ember.api.schemas import (
     TokenizeResponse,
 )
 from ember.config import ServerConfig
-from ember.engine.engine import AsyncEngine, EmbedParams, EmbedResult
+from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.version import __version__
 
-__all__ = ["ClientGone", "Context", "context", "inference", "probes", "require_api_key", "until_disconnect"]
+__all__ = ["Context", "context", "engine_call", "inference", "probes", "require_api_key"]
 
 
 @dataclass
@@ -115,11 +116,31 @@ def _encode(vector: np.ndarray, encoding_format: str | None) -> Any:
     return vector  # orjson writes float32 arrays as JSON numbers
 
 
-async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, EmbedResult]:
+class Outcome(Protocol):
+    """What an engine call reports beside its answer (EmbedResult, ScoreResult)."""
+
+    @property
+    def token_counts(self) -> list[int]: ...
+
+    @property
+    def queue_seconds(self) -> float: ...
+
+    @property
+    def inference_seconds(self) -> float: ...
+
+
+R = TypeVar("R", bound=Outcome)
+
+
+async def engine_call(
+    request: Request, model: str | None, work: Callable[[AsyncEngine], Coroutine[Any, Any, R]]
+) -> tuple[Context, R, int]:
+    """Check `model`, run `work` on the engine (dropped if the client goes away: 499), and record its tokens and
+    times for the access log and /metrics; returns the context, the result and its tokens."""
     ctx = context(request)
-    ctx.check_model(body.model)
+    ctx.check_model(model)
     try:
-        result: EmbedResult = await until_disconnect(request, ctx.engine.embed(body.input, _params(body)))
+        result: R = await until_disconnect(request, work(ctx.engine))
     except ClientGone:
         raise HTTPException(499, "client closed the request") from None
     tokens = sum(result.token_counts)
@@ -128,14 +149,15 @@ async def _embed(request: Request, body: EmbeddingRequest) -> tuple[Context, Emb
     ctx.metrics.tokens.inc(tokens)
     ctx.metrics.queue_time.observe(result.queue_seconds)
     ctx.metrics.inference_time.observe(result.inference_seconds)
-    return ctx, result
+    return ctx, result, tokens
 
 
 async def _vectors(request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str) -> Response:
     """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order."""
-    ctx, result = await _embed(request, body)
+    params = _params(body)
+    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(body.input, params))
     data = [{"index": i, "object": kind, field: _encode(v, body.encoding_format)} for i, v in enumerate(result.vectors)]
-    return JSONBytes(_envelope(ctx, request, prefix, data, sum(result.token_counts)))
+    return JSONBytes(_envelope(ctx, request, prefix, data, tokens))
 
 
 def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:

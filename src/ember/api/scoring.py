@@ -7,35 +7,18 @@ with Cohere's `meta` beside them (LiteLLM reads its billed tokens).
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from ember.api.responses import JSONBytes, usage
-from ember.api.routes import ClientGone, context, require_api_key, until_disconnect
+from ember.api.routes import engine_call, require_api_key
 from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
-from ember.engine.engine import ScoreParams, ScoreResult
+from ember.engine.engine import ScoreParams
 from ember.errors import InputError
 
 __all__ = ["scoring"]
 
 scoring = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-async def _score(request: Request, model: str | None, pairs: list[tuple[str, str]], params: ScoreParams) -> Any:
-    ctx = context(request)
-    ctx.check_model(model)
-    try:
-        result: ScoreResult = await until_disconnect(request, ctx.engine.score(pairs, params))
-    except ClientGone:
-        raise HTTPException(499, "client closed the request") from None
-    tokens = sum(result.token_counts)
-    request.state.queue_seconds, request.state.inference_seconds = result.queue_seconds, result.inference_seconds
-    request.state.tokens = tokens
-    ctx.metrics.tokens.inc(tokens)
-    ctx.metrics.queue_time.observe(result.queue_seconds)
-    ctx.metrics.inference_time.observe(result.inference_seconds)
-    return ctx, result, tokens
 
 
 def _text(doc: str | RerankDocument) -> str:
@@ -51,7 +34,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         raise InputError("'documents' must not be empty", "documents")
     texts = [_text(d) for d in body.documents]
     params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
-    ctx, result, tokens = await _score(request, body.model, [(body.query, t) for t in texts], params)
+    pairs = [(body.query, t) for t in texts]
+    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.score(pairs, params))
     order = sorted(range(len(texts)), key=lambda i: -result.scores[i])[: body.top_n or None]
     results = [
         {"index": i, "relevance_score": result.scores[i]}
@@ -91,7 +75,8 @@ def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
 async def score(body: ScoreRequest, request: Request) -> Response:
     """A score per pair, in order (vLLM's /score)."""
     params = ScoreParams(body.truncate_prompt_tokens, None, body.use_activation, body.instruction)
-    ctx, result, tokens = await _score(request, body.model, _pairs(body), params)
+    pairs = _pairs(body)
+    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.score(pairs, params))
     return JSONBytes({
         "id": f"score-{request.state.request_id}",
         "object": "list",

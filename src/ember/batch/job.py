@@ -2,18 +2,16 @@
 
 Part k holds input rows [k x part_rows, (k + 1) x part_rows). A part is written to a temporary file and renamed,
 then appended to `_manifest.jsonl` beside it; a restarted job skips the parts the manifest lists, so an interrupted
-run (Ctrl-C, SIGTERM, a kill, a lost node) loses at most the part in flight and never writes a row twice. SIGINT and
-SIGTERM finish the part in flight, then stop. Rows the model cannot take never stop the job; they are skipped and
-counted by reason (documented in docs/indexing.md).
+run (Ctrl-C, SIGTERM, a kill, a lost node) loses at most the part in flight and never writes a row twice. Signals
+are the caller's (the CLI's): once `stop()` says so, the job ends after the part in flight. Rows the model cannot
+take never stop the job; they are skipped and counted by reason (documented in docs/indexing.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,7 +28,6 @@ from ember.errors import ConfigError, InputError
 
 __all__ = ["EmbedJob", "JobSummary", "run_job"]
 
-log = logging.getLogger("ember.embed")
 
 MANIFEST = "_manifest.jsonl"
 
@@ -209,48 +206,32 @@ def _write_part(
     return len(rows), sum(tokens), skipped
 
 
-class _Stop:
-    """SIGINT/SIGTERM: finish the part in flight, then stop (a second SIGINT stops at once)."""
-
-    def __init__(self) -> None:
-        self.asked = False
-
-    def __enter__(self) -> _Stop:
-        self._old = {s: signal.signal(s, self._ask) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _ask(self, sig: int, frame: Any) -> None:
-        if self.asked and sig == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.asked = True
-        log.warning("stopping after the part in flight (Ctrl-C again to stop at once)")
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-
-def run_job(job: EmbedJob, embed: Embed, progress: Callable[[int, int], None] | None = None) -> JobSummary:
-    """Embed every row not done yet; `progress(rows, tokens)` after each part."""
+def run_job(
+    job: EmbedJob,
+    embed: Embed,
+    progress: Callable[[int, int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> JobSummary:
+    """Embed every row not done yet; `progress(rows, tokens)` after each part; when `stop()` turns true (a signal,
+    at the CLI), the job ends after the part in flight."""
     out = Path(job.output)
     out.mkdir(parents=True, exist_ok=True)
     done = _done_parts(out, job)
     summary = JobSummary()
     start = time.perf_counter()
-    with _Stop() as stop:
-        for part, first, table in _parts(job):
-            if part in done:
-                summary.parts_skipped += 1
-                continue
-            written, tokens, skipped = _write_part(out, job, part, first, table, embed)
-            summary.documents += written
-            summary.tokens += tokens
-            summary.skipped += skipped
-            summary.parts_written += 1
-            if progress is not None:
-                progress(table.num_rows, tokens)
-            if stop.asked:
-                summary.interrupted = True
-                break
+    for part, first, table in _parts(job):
+        if part in done:
+            summary.parts_skipped += 1
+            continue
+        written, tokens, skipped = _write_part(out, job, part, first, table, embed)
+        summary.documents += written
+        summary.tokens += tokens
+        summary.skipped += skipped
+        summary.parts_written += 1
+        if progress is not None:
+            progress(table.num_rows, tokens)
+        if stop is not None and stop():
+            summary.interrupted = True
+            break
     summary.seconds = time.perf_counter() - start
     return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from typing import Any
@@ -79,12 +80,36 @@ def _embed(args: argparse.Namespace, threads: int) -> int:
         tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
         args.part_rows, args.overwrite, _options(args),
     )  # fmt: skip
-    with _Progress() as progress:
-        summary = run_job(job, embed, progress)
+    with _Progress() as progress, _Stop() as stop:
+        summary = run_job(job, embed, progress, stop.asked)
     print(summary.line(), file=sys.stderr)
     print(json.dumps({"documents": summary.documents, "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
                       "skipped": dict(summary.skipped), "interrupted": summary.interrupted}))  # fmt: skip
     return 130 if summary.interrupted else 0
+
+
+class _Stop:
+    """SIGINT/SIGTERM: finish the part in flight, then stop (a second SIGINT stops at once)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def __enter__(self) -> _Stop:
+        self._old = {s: signal.signal(s, self._ask) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _ask(self, sig: int, frame: Any) -> None:
+        if self.signalled and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signalled = True
+        log.warning("stopping after the part in flight (Ctrl-C again to stop at once)")
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def asked(self) -> bool:
+        return self.signalled
 
 
 class _Progress:

@@ -95,7 +95,6 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     st = read_st_modules(path)
     if cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
         pooling = PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")
-        hf_config = _with_classifier_tokens(hf_config, path)
     else:
         pooling = resolve_pooling(st, config.pooler, is_decoder=cls.is_decoder)
     dtype = torch_dtype(config.dtype)
@@ -123,12 +122,13 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, act)
 
 
-def _with_classifier_tokens(hf_config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """config.json plus the ids of `classifier_from_token` (Qwen3-Reranker's "no" and "yes"), from the tokenizer."""
+def _with_classifier_tokens(hf_config: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+    """config.json plus the ids of `classifier_from_token` (Qwen3-Reranker's "no" and "yes"), which say which rows
+    of the LM head to read."""
     tokens = hf_config.get("classifier_from_token")
     if not tokens:
         return hf_config
-    ids = [Tokenizer.from_dir(path, hf_config).token_id(t) for t in tokens]
+    ids = [tokenizer.token_id(t) for t in tokens]
     if None in ids:
         raise CheckpointError(f"classifier_from_token {tokens} names tokens the tokenizer does not have")
     return {**hf_config, "classifier_token_ids": ids}
@@ -146,16 +146,18 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     """Load `config.model` (local directory, hub id, or None for the bundled default)."""
     start = time.perf_counter()
     p = plan(config, memory)
+    score = p.cls.task == "score"
+    # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
+    tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
+    if score:
+        p = replace(p, hf_config=_with_classifier_tokens(p.hf_config, tokenizer))
     net = _load_weights(p)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
     if pack_linears(net, p.dtype) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
-    score = p.cls.task == "score"
     dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
-    # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
-    tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     dims = p.hf_config.get("matryoshka_dimensions")
     info = ModelInfo(
         name=p.name,

@@ -20,7 +20,7 @@ from typing import Any
 
 from ember.config import EngineConfig, PoolerConfig
 from ember.engine.inputs import EmbedParams, Preprocessor
-from ember.engine.pairs import PairPreprocessor, ScoreParams
+from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
 from ember.errors import EmberError, EngineDeadError, InputError, ShuttingDownError
 from ember.tokenizer import Tokenizer
@@ -199,18 +199,11 @@ class AsyncEngine:
         return ScoreResult(scores, request.token_counts, *self._times(request))
 
     async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams) -> ScoreResult:
-        """vLLM's bi-encoder score: each distinct text embedded once, then the cosine of each pair's vectors."""
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        result = await self.embed(
-            texts, EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
-        )
-        at = {t: i for i, t in enumerate(texts)}
-        scores = [float(result.vectors[at[a]] @ result.vectors[at[b]]) for a, b in pairs]
-        counted: set[str] = set()  # usage counts each text embedded once, with the first pair it appears in
-        counts = []
-        for pair in pairs:
-            counts.append(sum(result.token_counts[at[t]] for t in dict.fromkeys(pair) if t not in counted))
-            counted.update(pair)
+        """An embedding model's score: each distinct text embedded once, then the cosine of each pair's vectors."""
+        texts = distinct_texts(pairs)
+        embed = EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        result = await self.embed(texts, embed)
+        scores, counts = cosine_scores(pairs, texts, result.vectors, result.token_counts)
         return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds)
 
     async def _run_request(

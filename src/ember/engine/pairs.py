@@ -17,7 +17,15 @@ from ember.engine.inputs import check_length, truncation_length
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
-__all__ = ["DEFAULT_INSTRUCTION", "Pair", "PairPreprocessor", "ScoreParams", "qwen3_reranker_prompt"]
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "Pair",
+    "PairPreprocessor",
+    "ScoreParams",
+    "cosine_scores",
+    "distinct_texts",
+    "qwen3_reranker_prompt",
+]
 
 QWEN3_RERANKER_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
@@ -51,7 +59,10 @@ class Pair(NamedTuple):
 
     ids: list[int]
     types: list[int]
-    tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
 
 class PairPreprocessor:
@@ -67,9 +78,9 @@ class PairPreprocessor:
         else:
             built = self.tokenizer.encode_pairs(pairs, limit, params.max_tokens_per_doc)
         out = []
-        for ids, types, _ in built:
+        for ids, types in built:
             check_length(len(ids), self.info.max_model_len)  # the query alone may not fit
-            out.append(Pair(ids, types, len(ids)))
+            out.append(Pair(ids, types))
         return out
 
     def _limit(self, params: ScoreParams) -> int | None:
@@ -80,7 +91,7 @@ class PairPreprocessor:
 
     def _qwen3(
         self, pairs: list[tuple[str, str]], params: ScoreParams, limit: int | None
-    ) -> list[tuple[list[int], list[int], int]]:
+    ) -> list[tuple[list[int], list[int]]]:
         """prompt + "<Document>: " + document + suffix; the document cut from its end to fit."""
         tok = self.tokenizer
         firsts = {
@@ -92,13 +103,12 @@ class PairPreprocessor:
         out = []
         for (q, _), doc in zip(pairs, docs, strict=True):
             head, tail = first_ids[q], [] if firsts[q] == q else suffix
-            full = len(head) + len(doc) + len(tail)
             if params.max_tokens_per_doc is not None:
                 doc = doc[: params.max_tokens_per_doc]
             if limit is not None and len(head) + len(doc) + len(tail) > limit:
                 doc = doc[: max(0, limit - len(head) - len(tail))]
             ids = head + doc + tail
-            out.append((ids, [0] * len(ids), full))
+            out.append((ids, [0] * len(ids)))
         return out
 
     def score(self, logits: np.ndarray, params: ScoreParams) -> float:
@@ -112,3 +122,23 @@ class PairPreprocessor:
             x = np.exp(x - x.max())
             x = x / x.sum()
         return float(x[-1])
+
+
+def distinct_texts(pairs: list[tuple[str, str]]) -> list[str]:
+    """Each text of the pairs once, in order of appearance: what an embedding model embeds to score them."""
+    return list(dict.fromkeys(t for pair in pairs for t in pair))
+
+
+def cosine_scores(
+    pairs: list[tuple[str, str]], texts: list[str], vectors: list[np.ndarray], token_counts: list[int]
+) -> tuple[list[float], list[int]]:
+    """vLLM's bi-encoder score from the unit vectors of `texts` (distinct_texts(pairs)): the cosine per pair, and the
+    tokens each pair counts for in usage (each text once, with the first pair it appears in)."""
+    at = {t: i for i, t in enumerate(texts)}
+    scores = [float(vectors[at[a]] @ vectors[at[b]]) for a, b in pairs]
+    counted: set[str] = set()
+    counts = []
+    for pair in pairs:
+        counts.append(sum(token_counts[at[t]] for t in dict.fromkeys(pair) if t not in counted))
+        counted.update(pair)
+    return scores, counts
