@@ -1,5 +1,5 @@
-"""`ember embed` over files: formats and columns, the output schema read back, bad rows, dedupe, and resume after
-the process is killed mid-run."""
+"""`ember embed` over files: formats and columns, the output schema read back, bad rows, dedupe, the cache, the
+npy output, resume after the process is killed mid-run, and `--url` against real servers answering 429."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import sys
 import time
 
 import duckdb
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -18,8 +19,11 @@ import pytest
 from checkpoints import build_bert
 from corpus import SENTENCES
 from ember import Embedder
+from ember.batch.backend import Embedded
+from ember.batch.cache import VectorCache
 from ember.batch.job import EmbedJob, run_job
 from ember.errors import ConfigError, InputError
+from server import Server
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBER_NATIVE_ATTENTION": "0", "EMBER_NATIVE_INT8": "0",
        "EMBER_NATIVE_ELEMENTWISE": "0"}  # fmt: skip
@@ -100,7 +104,7 @@ def test_identical_texts_are_embedded_once(tmp_path):
 
     def embed(texts):
         seen.extend(texts)
-        return np.ones((len(texts), 4), np.float32) * np.arange(len(texts))[:, None], [1] * len(texts)
+        return Embedded(np.ones((len(texts), 4), np.float32) * np.arange(len(texts))[:, None], [1] * len(texts), 3)
 
     summary = run_job(EmbedJob((str(tmp_path / "in.jsonl"),), str(tmp_path / "out")), embed)
     assert sorted(seen) == ["a", "b", "c"] and summary.documents == 5
@@ -110,7 +114,7 @@ def test_identical_texts_are_embedded_once(tmp_path):
 
 def test_a_different_job_in_the_same_output_is_refused_unless_overwritten(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
-    embed = lambda texts: (np.zeros((len(texts), 2), np.float32), [1] * len(texts))  # noqa: E731
+    embed = lambda texts: Embedded(np.zeros((len(texts), 2), np.float32), [1] * len(texts), len(texts))  # noqa: E731
     run_job(EmbedJob((str(tmp_path / "in.jsonl"),), str(tmp_path / "out")), embed)
     other = EmbedJob((str(tmp_path / "in.jsonl"),), str(tmp_path / "out"), options={"dimensions": 8})
     with pytest.raises(ConfigError, match="--overwrite"):
@@ -149,3 +153,87 @@ def test_a_run_stopped_midway_resumes_with_no_row_missing_or_repeated(tmp_path, 
     ids = pq.read_table(str(out)).column("id").to_pylist()
     assert sorted(ids) == list(range(3000))
     assert not list(out.glob(".*.tmp")) or sig == signal.SIGKILL
+
+
+def _corpus(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def test_the_cache_embeds_only_texts_it_has_not_seen_under_the_same_model_and_options(tmp_path):
+    seen = []
+
+    def embed(texts):
+        seen.extend(texts)
+        return Embedded(np.array([[len(t), 1.0] for t in texts], np.float32), [len(t) for t in texts], 0)
+
+    texts = [f"document {i}" for i in range(50)]
+    first = run_job(EmbedJob((_corpus(tmp_path / "a.jsonl", texts),), str(tmp_path / "o1"), part_rows=20), embed,
+                    cache=VectorCache(tmp_path / "cache", "model-a", {"dimensions": None}))  # fmt: skip
+    assert first.embedded == 50 and first.cached == 0 and len(seen) == 50
+    changed = texts[:45] + [f"edited {i}" for i in range(5)]
+    seen.clear()
+    again = run_job(EmbedJob((_corpus(tmp_path / "b.jsonl", changed),), str(tmp_path / "o2"), part_rows=20), embed,
+                    cache=VectorCache(tmp_path / "cache", "model-a", {"dimensions": None}))  # fmt: skip
+    assert sorted(seen) == sorted(changed[45:]) and again.cached == 45 and again.documents == 50
+    table = read(tmp_path / "o2")
+    assert table["embedding"][3] == [len(texts[3]), 1.0] and table["tokens"][3] == len(texts[3])
+    seen.clear()
+    other = VectorCache(tmp_path / "cache", "model-a", {"dimensions": 8})  # other options: other vectors
+    assert run_job(EmbedJob((str(tmp_path / "b.jsonl"),), str(tmp_path / "o3")), embed, cache=other).cached == 0
+    assert len(seen) == 50
+
+
+def test_a_second_cli_run_over_an_unchanged_corpus_embeds_nothing(tmp_path, model, embedder):
+    src = _corpus(tmp_path / "in.jsonl", SENTENCES[:10])
+    args = (src, "--cache", str(tmp_path / "cache"), "--part-rows", "4")
+    first = json.loads(ember_embed(model, *args, "-o", str(tmp_path / "o1")).stdout)
+    second = ember_embed(model, *args, "-o", str(tmp_path / "o2"))
+    assert first["embedded"] == 10 and json.loads(second.stdout) | {"seconds": 0} == first | {
+        "embedded": 0, "cached": 10, "tokens": 0, "seconds": 0}  # fmt: skip
+    assert read(tmp_path / "o1") == read(tmp_path / "o2")
+
+
+def test_npy_output_is_the_embedders_vectors_in_row_order_with_ids_beside(tmp_path, model, embedder):
+    texts = SENTENCES[:9]
+    src = _corpus(tmp_path / "in.jsonl", texts[:4] + ["  "] + texts[4:])
+    out = tmp_path / "out"
+    done = ember_embed(model, src, "-o", str(out), "--format", "npy", "--part-rows", "3")
+    assert done.returncode == 0, done.stderr
+    vectors = np.load(out / "embeddings.npy")
+    ids = pq.read_table(str(out / "ids.parquet")).to_pydict()
+    assert vectors.dtype == np.float32 and vectors.shape == (9, 32) and ids["id"] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    np.testing.assert_allclose(vectors, embedder.embed(texts).vectors, atol=1e-5)
+    assert ids["tokens"] == embedder.embed(texts).token_counts and not list(out.glob("part-*"))
+    again = ember_embed(model, src, "-o", str(out), "--format", "npy", "--part-rows", "3")
+    assert again.returncode == 0 and json.loads(again.stdout)["documents"] == 0  # done already: nothing re-run
+    np.testing.assert_array_equal(np.load(out / "embeddings.npy"), vectors)
+
+
+def _rejected(server):
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ember_requests_total{") and 'status="429"' in line)  # fmt: skip
+
+
+def test_url_spreads_over_servers_retries_429s_and_refuses_only_the_bad_row(tmp_path, model, embedder):
+    texts = [f"{SENTENCES[i % len(SENTENCES)][:100]} {i}" for i in range(300)]
+    src = _corpus(tmp_path / "in.jsonl", texts[:150] + ["word " * 200] + texts[150:])  # row 150: too long
+    flags = ["--dtype", "float32", "--max-queued-requests", "1", "--max-num-seqs", "4"]
+    servers = [Server([str(model), *flags], tmp_path / f"s{i}.log") for i in range(2)]
+    try:
+        cmd = [sys.executable, "-m", "ember.cli.main", "embed", src, "-o", str(tmp_path / "out"), "--batch-size", "4",
+               "--concurrency", "6", *[a for s in servers for a in ("--url", s.url)]]  # fmt: skip
+        done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        rejected = [_rejected(s) for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+    assert all(r > 0 for r in rejected), "no 429 was answered: the retry path was not exercised"
+    report = json.loads(done.stdout)
+    assert report["documents"] == 300 and report["skipped"] == {"too long": 1}, report
+    table = read(tmp_path / "out")
+    assert table["id"] == list(range(150)) + list(range(151, 301)) and set(table["tokens"]) == {None}
+    np.testing.assert_allclose(np.array(table["embedding"]), embedder.embed(texts).vectors, atol=1e-5)
+    assert report["tokens"] == sum(embedder.embed(texts).token_counts)

@@ -9,6 +9,7 @@ come back in input order with the exact token count of each input.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -96,6 +97,11 @@ class _Offline:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._loaded.tokenizer
+
+    @property
+    def path(self) -> Path:
+        """The local directory the model was loaded from (a hub id's snapshot)."""
+        return self._loaded.plan.path
 
     def _embed(self, inputs: Any, params: EmbedParams) -> Embeddings:
         prepared = self.preprocessor.check(inputs, params)

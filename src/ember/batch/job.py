@@ -5,6 +5,9 @@ then appended to `_manifest.jsonl` beside it; a restarted job skips the parts th
 run (Ctrl-C, SIGTERM, a kill, a lost node) loses at most the part in flight and never writes a row twice. Signals
 are the caller's (the CLI's): once `stop()` says so, the job ends after the part in flight. Rows the model cannot
 take never stop the job; they are skipped and counted by reason (documented in docs/indexing.md).
+
+Identical texts in a part are embedded once, and with a `VectorCache` a text embedded by an earlier run (same
+model, same options) is not embedded again. The next part is read while the current one is embedded.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,16 +28,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ember.batch.backend import Embed, Embedded
+from ember.batch.cache import VectorCache
 from ember.batch.files import input_files, read_batches
+from ember.batch.npy import MANIFEST, assemble, assembled
 from ember.errors import ConfigError, InputError
 
 __all__ = ["EmbedJob", "JobSummary", "run_job"]
-
-
-MANIFEST = "_manifest.jsonl"
-
-Embed = Callable[[list[str]], tuple[np.ndarray, list[int]]]
-"""Texts -> (vectors (N, D) float32, tokens per text); raises InputError when a text cannot be embedded."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class EmbedJob:
     keep_columns: tuple[str, ...] = ()
     part_rows: int = 10_000
     overwrite: bool = False
+    format: str = "parquet"
+    """parquet: the parts are the output; npy: embeddings.npy + ids.parquet, assembled from the parts at the end."""
     options: dict[str, Any] = field(default_factory=dict)
     """The model and embedding options: a job restarted with other options is refused (its parts would mix)."""
 
@@ -54,7 +58,12 @@ class EmbedJob:
 @dataclass
 class JobSummary:
     documents: int = 0
+    """Rows written."""
+    embedded: int = 0
+    """Distinct texts the model ran on (the rest were duplicates or in the cache)."""
+    cached: int = 0
     tokens: int = 0
+    """Tokens the model ran on."""
     seconds: float = 0.0
     parts_written: int = 0
     parts_skipped: int = 0
@@ -66,14 +75,16 @@ class JobSummary:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
         state = "interrupted (run the same command again to continue)" if self.interrupted else "done"
         return (
-            f"{state}: {self.documents} documents, {self.tokens} tokens in {self.seconds:.1f} s ({rate:.0f} tokens/s); "
+            f"{state}: {self.documents} documents ({self.embedded} embedded, {self.cached} from the cache), "
+            f"{self.tokens} tokens in {self.seconds:.1f} s ({rate:.0f} tokens/s); "
             f"parts written {self.parts_written}, already done {self.parts_skipped}; rows skipped: {why}"
         )
 
 
 def _signature(job: EmbedJob) -> str:
     fields = {"inputs": list(job.inputs), "text_column": job.text_column, "id_column": job.id_column,
-              "keep_columns": list(job.keep_columns), "part_rows": job.part_rows, "options": job.options}  # fmt: skip
+              "keep_columns": list(job.keep_columns), "part_rows": job.part_rows, "options": job.options,
+              "format": job.format}  # fmt: skip
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -81,8 +92,8 @@ def _done_parts(out: Path, job: EmbedJob) -> set[int]:
     """Parts a previous run finished; refuses a manifest written by a different job unless --overwrite."""
     manifest = out / MANIFEST
     if job.overwrite:
-        for f in out.glob("part-*.parquet"):
-            f.unlink()
+        for f in [*out.glob("part-*.parquet"), out / "embeddings.npy", out / "ids.parquet"]:
+            f.unlink(missing_ok=True)
         manifest.unlink(missing_ok=True)
     if not manifest.exists():
         return set()
@@ -94,7 +105,8 @@ def _done_parts(out: Path, job: EmbedJob) -> set[int]:
                 f"{out} holds the output of a different job (other inputs, columns or model options): "
                 "pass --overwrite to start over, or choose another output directory"
             )
-        done.add(int(entry["part"]))
+        if "part" in entry:
+            done.add(int(entry["part"]))
     return done
 
 
@@ -143,67 +155,115 @@ def _clean(values: list[Any]) -> tuple[list[int], list[str], Counter[str]]:
     return keep, texts, skipped
 
 
-def _embed_rows(embed: Embed, texts: list[str]) -> tuple[list[int], np.ndarray, list[int], Counter[str]]:
-    """Embed distinct texts once; a text the model refuses (too long, no tokens) is skipped and counted."""
+@dataclass
+class _Rows:
+    """A part's texts embedded: which of them were kept, their vectors and tokens, and what was skipped."""
+
+    kept: list[int]
+    vectors: np.ndarray
+    tokens: list[int | None]
+    skipped: Counter[str]
+    embedded: int = 0
+    cached: int = 0
+    model_tokens: int = 0
+
+
+def _embed_rows(embed: Embed, texts: list[str], cache: VectorCache | None) -> _Rows:
+    """Embed each distinct text once, and none the cache holds; a text the model refuses is skipped and counted."""
     distinct = list(dict.fromkeys(texts))
-    try:
-        vectors, tokens = embed(distinct)
-    except InputError:  # find the rows at fault, one at a time (rare)
-        ok, rows, tokens, skipped = [], [], [], Counter[str]()
-        for j, text in enumerate(distinct):
-            try:
-                v, t = embed([text])
-            except InputError as e:
-                skipped["too long" if "context length" in str(e) or "input length" in str(e) else "refused"] += 1
-                continue
-            ok.append(j)
-            rows.append(v[0])
-            tokens += t
-        vectors = np.stack(rows) if rows else np.zeros((0, 0), np.float32)
-        index = {distinct[j]: k for k, j in enumerate(ok)}
-        keep = [i for i, t in enumerate(texts) if t in index]
-        return keep, vectors[[index[texts[i]] for i in keep]], [tokens[index[texts[i]]] for i in keep], skipped
+    hits = cache.get(distinct) if cache is not None else {}
+    misses = [j for j in range(len(distinct)) if j not in hits]
+    result = embed([distinct[j] for j in misses]) if misses else Embedded(np.zeros((0, 0), np.float32), [], 0)
+    dim = result.vectors.shape[1] if len(result.vectors) else len(next(iter(hits.values()))[0]) if hits else 0
+    vectors = np.zeros((len(distinct), dim), np.float32)
+    tokens: list[int | None] = [None] * len(distinct)
+    for j, (vector, count) in hits.items():
+        vectors[j], tokens[j] = vector, count
+    refused = {misses[k]: why for k, why in result.refused.items()}
+    ok = [k for k in range(len(misses)) if k not in result.refused]
+    for k in ok:
+        vectors[misses[k]] = result.vectors[k]
+        tokens[misses[k]] = result.tokens[k] if result.tokens is not None else None
+    if cache is not None and ok:
+        cache.put([distinct[misses[k]] for k in ok], result.vectors[ok], None if result.tokens is None else
+                  [result.tokens[k] for k in ok])  # fmt: skip
     index = {t: j for j, t in enumerate(distinct)}
     rows_of = [index[t] for t in texts]
-    return list(range(len(texts))), vectors[rows_of], [tokens[j] for j in rows_of], Counter()
+    kept = [i for i, j in enumerate(rows_of) if j not in refused]
+    skipped = Counter(refused[j] for j in rows_of if j in refused)
+    cached = sum(1 for i in kept if rows_of[i] in hits)
+    return _Rows(kept, vectors[[rows_of[i] for i in kept]], [tokens[rows_of[i]] for i in kept], skipped,
+                 len(misses), cached, result.total_tokens)  # fmt: skip
 
 
 def _write_part(
-    out: Path, job: EmbedJob, part: int, first: int, table: pa.Table, embed: Embed
-) -> tuple[int, int, Counter[str]]:
+    out: Path, job: EmbedJob, part: tuple[int, int, pa.Table], embed: Embed, cache: VectorCache | None
+) -> _Rows:
     """Embed one part's rows and write them whole, then record the part in the manifest."""
+    index, first, table = part
     keep, texts, skipped = _clean(table.column(job.text_column).to_pylist())
-    kept: list[int] = []
-    vectors, tokens = np.zeros((0, 0), np.float32), list[int]()
-    if texts:
-        kept, vectors, tokens, refused = _embed_rows(embed, texts)
-        skipped += refused
-    rows = [keep[i] for i in kept]
+    done = _embed_rows(embed, texts, cache) if texts else _Rows([], np.zeros((0, 0), np.float32), [], Counter())
+    done.skipped += skipped
+    rows = pa.array([keep[i] for i in done.kept], pa.int64())
     if job.id_column:
         if job.id_column not in table.schema.names:
             raise InputError(f"the input has no column {job.id_column!r} (--id-column)")
-        ids = table.column(job.id_column).take(pa.array(rows, pa.int64()))
+        ids = table.column(job.id_column).take(rows)
     else:
-        ids = pa.array([first + r for r in rows], pa.int64())
-    dim = vectors.shape[1] if len(rows) else 0
+        ids = pa.array([first + r for r in rows.to_pylist()], pa.int64())
+    dim = done.vectors.shape[1] if len(rows) else 0
     columns = {
         "id": ids,
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), dim),
-        "tokens": pa.array(tokens, pa.int32()),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(done.vectors.reshape(-1), pa.float32()), dim),
+        "tokens": pa.array(done.tokens, pa.int32()),
     }
     for name in job.keep_columns:
-        columns[name] = table.column(name).take(pa.array(rows, pa.int64()))
-    path = out / f"part-{part:05d}.parquet"
-    tmp = out / f".part-{part:05d}.parquet.tmp"
+        columns[name] = table.column(name).take(rows)
+    path = out / f"part-{index:05d}.parquet"
+    tmp = out / f".part-{index:05d}.parquet.tmp"
     pq.write_table(pa.table(columns), str(tmp))
     os.replace(tmp, path)  # whole or absent
-    entry = {"part": part, "first_row": first, "rows": table.num_rows, "written": len(rows),
-             "skipped": dict(skipped), "signature": _signature(job)}  # fmt: skip
+    _record(out, {"part": index, "first_row": first, "rows": table.num_rows, "written": len(rows),
+                  "skipped": dict(done.skipped), "signature": _signature(job)})  # fmt: skip
+    return done
+
+
+def _record(out: Path, entry: dict[str, Any]) -> None:
     with (out / MANIFEST).open("a") as f:
         f.write(json.dumps(entry) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    return len(rows), sum(tokens), skipped
+
+
+def _prefetched(parts: Iterator[tuple[int, int, pa.Table]]) -> Iterator[tuple[int, int, pa.Table]]:
+    """The next part read (and parsed) on a thread while the current one is embedded."""
+    ahead: queue.Queue[Any] = queue.Queue(maxsize=1)
+    end = object()
+    closed = threading.Event()
+
+    def read() -> None:
+        try:
+            for item in parts:
+                while not closed.is_set():
+                    try:
+                        ahead.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if closed.is_set():
+                    return
+            ahead.put(end)
+        except BaseException as e:  # handed to the job, raised there
+            ahead.put(e)
+
+    threading.Thread(target=read, name="ember-embed-reader", daemon=True).start()
+    try:
+        while (item := ahead.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        closed.set()
 
 
 def run_job(
@@ -211,27 +271,34 @@ def run_job(
     embed: Embed,
     progress: Callable[[int, int], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    cache: VectorCache | None = None,
 ) -> JobSummary:
     """Embed every row not done yet; `progress(rows, tokens)` after each part; when `stop()` turns true (a signal,
-    at the CLI), the job ends after the part in flight."""
+    at the CLI), the job ends after the part in flight. With `cache`, texts it holds are not embedded again."""
     out = Path(job.output)
     out.mkdir(parents=True, exist_ok=True)
     done = _done_parts(out, job)
     summary = JobSummary()
     start = time.perf_counter()
-    for part, first, table in _parts(job):
-        if part in done:
+    if job.format == "npy" and assembled(out):
+        return summary  # finished earlier: nothing left to do
+    for part in _prefetched(_parts(job)):
+        if part[0] in done:
             summary.parts_skipped += 1
             continue
-        written, tokens, skipped = _write_part(out, job, part, first, table, embed)
-        summary.documents += written
-        summary.tokens += tokens
-        summary.skipped += skipped
+        rows = _write_part(out, job, part, embed, cache)
+        summary.documents += len(rows.kept)
+        summary.embedded += rows.embedded
+        summary.cached += rows.cached
+        summary.tokens += rows.model_tokens
+        summary.skipped += rows.skipped
         summary.parts_written += 1
         if progress is not None:
-            progress(table.num_rows, tokens)
+            progress(part[2].num_rows, rows.model_tokens)
         if stop is not None and stop():
             summary.interrupted = True
             break
+    if job.format == "npy" and not summary.interrupted:
+        assemble(out, _signature(job), _record)
     summary.seconds = time.perf_counter() - start
     return summary

@@ -1,10 +1,13 @@
-"""`ember embed INPUT... -o OUTPUT`: embed a corpus of files into Parquet parts, with progress and resume."""
+"""`ember embed INPUT... -o OUTPUT`: embed a corpus of files into Parquet parts, with progress and resume.
+
+The model runs in this process, or on running servers (`--url`), or on a Ray cluster (`--ray`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -37,7 +40,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hf-overrides", default=None)
     p.add_argument("--truncate", action="store_true", help="truncate over-long documents instead of skipping them")
     p.add_argument("--part-rows", type=int, default=10_000, help="rows per output part (the unit of resume)")
+    p.add_argument("--format", default="parquet", choices=["parquet", "npy"], help="npy: embeddings.npy + ids.parquet")
     p.add_argument("--overwrite", action="store_true", help="start over, deleting the parts of an earlier run")
+    p.add_argument("--cache", default=None, metavar="DIR", help="keep vectors by text: unchanged texts are not re-run")
+    p.add_argument("--url", action="append", default=[], help="embed on this running server (repeat to spread)")
+    p.add_argument("--api-key", default=None, help="bearer token for --url (default: $EMBER_API_KEY, $OPENAI_API_KEY)")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per request with --url")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per --url")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="do not torch.compile the fused regions")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -61,29 +70,52 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys}
 
 
-def _embed(args: argparse.Namespace, threads: int) -> int:
-    from ember.batch.job import EmbedJob, run_job
+def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
+    """(what embeds, the model's identity for the cache, what to close): in-process, or the --url servers."""
+    from ember.batch.backend import local
+    from ember.batch.cache import model_fingerprint
+
+    params = {"dimensions": args.dimensions, "normalize": args.normalize, "prompt_name": args.prompt_name}
+    if args.url:
+        from ember.batch.remote import RemoteEmbedder
+
+        key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size,
+                                concurrency=args.concurrency, **params)  # fmt: skip
+        return remote, remote.model, remote.close
     from ember.offline import Embedder
 
-    pooler = args.pooler_config
     embedder = Embedder(
         args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
-        pooler_config=pooler, hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
+        pooler_config=args.pooler_config, hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
         auto_truncate=args.truncate, threads=threads, enforce_eager=args.enforce_eager, native=native_config(),
     )  # fmt: skip
+    return local(embedder, **params), model_fingerprint(embedder.path), None
 
-    def embed(texts: list[str]) -> tuple[Any, list[int]]:
-        out = embedder.embed(texts, dimensions=args.dimensions, normalize=args.normalize, prompt_name=args.prompt_name)
-        return out.vectors, out.token_counts
 
+def _embed(args: argparse.Namespace, threads: int) -> int:
+    from ember.batch.cache import VectorCache
+    from ember.batch.job import EmbedJob, run_job
+
+    embed, identity, close = _backend(args, threads)
     job = EmbedJob(
         tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
-        args.part_rows, args.overwrite, _options(args),
+        args.part_rows, args.overwrite, args.format, _options(args),
     )  # fmt: skip
-    with _Progress() as progress, _Stop() as stop:
-        summary = run_job(job, embed, progress, stop.asked)
+    cache = VectorCache(args.cache, identity, _options(args)) if args.cache else None
+    try:
+        with _Progress() as progress, _Stop() as stop:
+            summary = run_job(job, embed, progress, stop.asked, cache)
+    finally:
+        if close is not None:
+            close()
+        if cache is not None:
+            cache.close()
     print(summary.line(), file=sys.stderr)
-    print(json.dumps({"documents": summary.documents, "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
+    if args.url:
+        log.info("requests sent again after a 429/503 or a lost connection: %d", embed.retries)
+    print(json.dumps({"documents": summary.documents, "embedded": summary.embedded, "cached": summary.cached,
+                      "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
                       "skipped": dict(summary.skipped), "interrupted": summary.interrupted}))  # fmt: skip
     return 130 if summary.interrupted else 0
 

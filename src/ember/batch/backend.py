@@ -1,0 +1,75 @@
+"""What an indexing job embeds with: a function from texts to vectors, whatever runs the model.
+
+`local(embedder, ...)` runs the model in this process (`ember embed`); `ember.batch.remote.RemoteEmbedder` sends
+the texts to running servers (`ember embed --url`). Both answer with an `Embedded`: a vector for every text the
+model took, and the reason for every text it refused, so one bad row never fails the rows beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ember.errors import InputError
+
+__all__ = ["Embed", "Embedded", "local", "refusal"]
+
+
+@dataclass
+class Embedded:
+    """Vectors for texts[i] for every i not in `refused`; the rows of refused texts are zeros."""
+
+    vectors: np.ndarray
+    """(N, D) float32, one row per text, in input order."""
+    tokens: list[int] | None
+    """Tokens each text used; None when the backend does not say per text (an OpenAI-style server)."""
+    total_tokens: int
+    refused: dict[int, str] = field(default_factory=dict)
+    """Index of a text the model refused -> why ("too long", "refused")."""
+
+
+Embed = Callable[[list[str]], Embedded]
+
+
+def refusal(error: Exception) -> str:
+    """The reason a text was refused, as counted in a job's summary."""
+    text = str(error)
+    return "too long" if "context length" in text or "input length" in text or "maximum" in text else "refused"
+
+
+def local(embedder: Any, **params: Any) -> Embed:
+    """Embed with an in-process `ember.Embedder` (params: dimensions, normalize, prompt_name)."""
+
+    def embed(texts: list[str]) -> Embedded:
+        try:
+            out = embedder.embed(texts, **params)
+            return Embedded(out.vectors, list(out.token_counts), sum(out.token_counts))
+        except InputError:  # find the texts at fault, one at a time (rare)
+            return _one_by_one(embedder, texts, params)
+
+    return embed
+
+
+def _one_by_one(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embedded:
+    rows: list[np.ndarray | None] = []
+    tokens: list[int] = []
+    refused: dict[int, str] = {}
+    for i, text in enumerate(texts):
+        try:
+            out = embedder.embed([text], **params)
+        except InputError as e:
+            refused[i] = refusal(e)
+            rows.append(None)
+            tokens.append(0)
+            continue
+        rows.append(out.vectors[0])
+        tokens.append(out.token_counts[0])
+    dim = next((len(r) for r in rows if r is not None), 0)
+    vectors = np.zeros((len(texts), dim), np.float32)
+    for i, row in enumerate(rows):
+        if row is not None:
+            vectors[i] = row
+    return Embedded(vectors, tokens, sum(tokens), refused)
