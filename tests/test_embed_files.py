@@ -196,7 +196,7 @@ def test_a_second_cli_run_over_an_unchanged_corpus_embeds_nothing(tmp_path, mode
 
 def test_npy_output_is_the_embedders_vectors_in_row_order_with_ids_beside(tmp_path, model, embedder):
     texts = SENTENCES[:9]
-    src = _corpus(tmp_path / "in.jsonl", texts[:4] + ["  "] + texts[4:])
+    src = _corpus(tmp_path / "in.jsonl", [*texts[:4], "  ", *texts[4:]])
     out = tmp_path / "out"
     done = ember_embed(model, src, "-o", str(out), "--format", "npy", "--part-rows", "3")
     assert done.returncode == 0, done.stderr
@@ -218,7 +218,7 @@ def _rejected(server):
 
 def test_url_spreads_over_servers_retries_429s_and_refuses_only_the_bad_row(tmp_path, model, embedder):
     texts = [f"{SENTENCES[i % len(SENTENCES)][:100]} {i}" for i in range(300)]
-    src = _corpus(tmp_path / "in.jsonl", texts[:150] + ["word " * 200] + texts[150:])  # row 150: too long
+    src = _corpus(tmp_path / "in.jsonl", [*texts[:150], "word " * 200, *texts[150:]])  # row 150: too long
     flags = ["--dtype", "float32", "--max-queued-requests", "1", "--max-num-seqs", "4"]
     servers = [Server([str(model), *flags], tmp_path / f"s{i}.log") for i in range(2)]
     try:
