@@ -7,6 +7,7 @@ model took, and the reason for every text it refused, so one bad row never fails
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 
 from ember.errors import InputError
 
-__all__ = ["Embed", "Embedded", "local", "refusal"]
+__all__ = ["Embed", "Embedded", "local", "refusal", "usable_texts"]
 
 
 @dataclass
@@ -73,3 +74,20 @@ def _one_by_one(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embe
         if row is not None:
             vectors[i] = row
     return Embedded(vectors, tokens, sum(tokens), refused)
+
+
+def usable_texts(values: list[Any]) -> tuple[list[int], list[str], Counter[str]]:
+    """Row positions to embed and their texts; nulls and blank texts are skipped and counted (not strings: str())."""
+    keep, texts, skipped = [], [], Counter[str]()
+    for i, v in enumerate(values):
+        if v is None:
+            skipped["null text"] += 1
+        elif not isinstance(v, str):
+            keep.append(i)
+            texts.append(str(v))
+        elif not v.strip():
+            skipped["empty or whitespace-only text"] += 1
+        else:
+            keep.append(i)
+            texts.append(v)
+    return keep, texts, skipped

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ember.batch.backend import Embed, Embedded
+from ember.batch.backend import Embed, Embedded, usable_texts
 from ember.batch.cache import VectorCache
 from ember.batch.files import input_files, read_batches
 from ember.batch.npy import MANIFEST, assemble, assembled
@@ -138,23 +138,6 @@ def _unify(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
             for b in batches]  # fmt: skip
 
 
-def _clean(values: list[Any]) -> tuple[list[int], list[str], Counter[str]]:
-    """Row positions to embed and their texts; nulls and blank texts are skipped and counted."""
-    keep, texts, skipped = [], [], Counter[str]()
-    for i, v in enumerate(values):
-        if v is None:
-            skipped["null text"] += 1
-        elif not isinstance(v, str):
-            keep.append(i)
-            texts.append(str(v))
-        elif not v.strip():
-            skipped["empty or whitespace-only text"] += 1
-        else:
-            keep.append(i)
-            texts.append(v)
-    return keep, texts, skipped
-
-
 @dataclass
 class _Rows:
     """A part's texts embedded: which of them were kept, their vectors and tokens, and what was skipped."""
@@ -201,7 +184,7 @@ def _write_part(
 ) -> _Rows:
     """Embed one part's rows and write them whole, then record the part in the manifest."""
     index, first, table = part
-    keep, texts, skipped = _clean(table.column(job.text_column).to_pylist())
+    keep, texts, skipped = usable_texts(table.column(job.text_column).to_pylist())
     done = _embed_rows(embed, texts, cache) if texts else _Rows([], np.zeros((0, 0), np.float32), [], Counter())
     done.skipped += skipped
     rows = pa.array([keep[i] for i in done.kept], pa.int64())

@@ -1,6 +1,6 @@
 """`ember embed INPUT... -o OUTPUT`: embed a corpus of files into Parquet parts, with progress and resume.
 
-The model runs in this process, or on running servers (`--url`), or on a Ray cluster (`--ray`)."""
+The model runs in this process, or on running servers (`--url`)."""
 
 from __future__ import annotations
 
