@@ -16,7 +16,7 @@ import numpy as np
 
 from ember.errors import InputError
 
-__all__ = ["Embed", "Embedded", "local", "refusal", "usable_texts"]
+__all__ = ["Embed", "Embedded", "local", "refusal", "stack_rows", "usable_texts"]
 
 
 @dataclass
@@ -68,12 +68,17 @@ def _one_by_one(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embe
             continue
         rows.append(out.vectors[0])
         tokens.append(out.token_counts[0])
+    return Embedded(stack_rows(rows), tokens, sum(tokens), refused)
+
+
+def stack_rows(rows: list[np.ndarray | None]) -> np.ndarray:
+    """One (N, D) float32 array from per-text vectors; a refused text (None) gets a row of zeros."""
     dim = next((len(r) for r in rows if r is not None), 0)
-    vectors = np.zeros((len(texts), dim), np.float32)
+    vectors = np.zeros((len(rows), dim), np.float32)
     for i, row in enumerate(rows):
         if row is not None:
             vectors[i] = row
-    return Embedded(vectors, tokens, sum(tokens), refused)
+    return vectors
 
 
 def usable_texts(values: list[Any]) -> tuple[list[int], list[str], Counter[str]]:

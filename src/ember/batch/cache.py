@@ -24,8 +24,6 @@ _SCHEMA = "CREATE TABLE IF NOT EXISTS vectors (key BLOB PRIMARY KEY, tokens INTE
 def model_fingerprint(path: Path | str) -> str:
     """A hash of the files a model is loaded from (names, sizes, modification times), read in no time."""
     root = Path(path)
-    if not root.exists():  # a remote server's model: its name is all there is
-        return str(path)
     entries = sorted(
         (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()
     )

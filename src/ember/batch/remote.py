@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ember.batch.backend import Embedded, refusal
+from ember.batch.backend import Embedded, refusal, stack_rows
 from ember.errors import ConfigError, EmberError
 
 __all__ = ["RemoteEmbedder"]
@@ -194,9 +194,4 @@ class _Results:
         self.refused[index] = why
 
     def embedded(self) -> Embedded:
-        dim = next((len(r) for r in self.rows if r is not None), 0)
-        vectors = np.zeros((len(self.rows), dim), np.float32)
-        for i, row in enumerate(self.rows):
-            if row is not None:
-                vectors[i] = row
-        return Embedded(vectors, None, self.tokens, self.refused)
+        return Embedded(stack_rows(self.rows), None, self.tokens, self.refused)
