@@ -1,8 +1,15 @@
-"""ember on a real local Ray cluster: `EmberEmbedder` in `map_batches` with 2 actors of 1 CPU: every row
-embedded exactly once, vectors equal to the in-process Embedder's."""
+"""ember on a real local Ray cluster: `EmberEmbedder` in `map_batches` with 2 actors of 1 CPU, and `ember embed
+--ray ADDRESS` on the same cluster: every row embedded exactly once, vectors equal to the in-process Embedder's."""
 
+import json
+import os
+import subprocess
+import sys
+
+import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from checkpoints import build_bert
@@ -68,3 +75,51 @@ def test_numpy_batches_get_an_n_by_d_array(model):
     embedder = EmberEmbedder(str(model), dtype="float32", enforce_eager=True)
     out = embedder({"id": np.arange(3), "text": np.array(["a b", "", "c d"], dtype=object)})
     assert out["embedding"].shape == (2, 32) and list(out["id"]) == [0, 2]
+    empty = embedder({"id": np.arange(2), "text": np.array(["", "  "], dtype=object)})  # a block of bad rows only
+    assert empty["embedding"].shape == (0, 32)
+    too_long = embedder(pa.table({"id": [1], "text": ["word " * 200]}))
+    assert too_long.num_rows == 0 and too_long.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+
+
+def _cli(model, address, *argv):
+    cmd = [sys.executable, "-m", "ember.cli.main", "embed", *argv, "--model", str(model), "--dtype", "float32",
+           "--enforce-eager", "--ray", address, "--log-level", "warning"]  # fmt: skip
+    return subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+
+
+def test_ember_embed_ray_writes_every_row_once_with_the_embedders_vectors(cluster, model, tmp_path):
+    texts = _texts(2400)
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for k in range(3):  # three JSONL files, a blank row among them
+        rows = [
+            {"doc": f"d{i}", "text": "" if i == 11 else texts[i], "url": f"u{i}"} for i in range(k * 800, (k + 1) * 800)
+        ]
+        (src / f"part-{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    address = ray.get_runtime_context().gcs_address
+    done = _cli(model, address, str(src), "-o", str(tmp_path / "out"), "--id-column", "doc", "--keep-columns", "url",
+                "--actors", "2", "--cpus-per-actor", "1", "--part-rows", "500")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["documents"] == 2399 and sum(summary["skipped"].values()) == 1
+    table = pq.read_table(tmp_path / "out")
+    assert table.schema.names == ["id", "embedding", "tokens", "url"]
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(f"d{i}" for i in range(2400) if i != 11)  # each row once
+    order = [int(i[1:]) for i in ids]
+    expected = Embedder(str(model), dtype="float32", enforce_eager=True).embed([texts[i] for i in order])
+    np.testing.assert_allclose(np.array(table.column("embedding").to_pylist()), expected.vectors, atol=1e-5)
+    assert table.column("tokens").to_pylist() == expected.token_counts
+    assert summary["tokens"] == sum(expected.token_counts)
+    assert table.column("url").to_pylist() == [f"u{i}" for i in order]
+    assert duckdb.sql(f"select count(*) from '{tmp_path / 'out'}/*.parquet'").fetchall() == [(2399,)]
+
+    again = _cli(model, address, str(src), "-o", str(tmp_path / "out"), "--id-column", "doc")
+    assert again.returncode == 2 and "--overwrite" in again.stderr  # never mixed with an earlier run's rows
+
+
+def test_ember_embed_ray_needs_an_id_column(model, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    done = _cli(model, "127.0.0.1:1", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "out"))
+    assert done.returncode == 2 and "--id-column" in done.stderr

@@ -1,4 +1,5 @@
-"""ember on a Ray cluster: `EmberEmbedder`, a callable class for `ray.data.Dataset.map_batches`.
+"""ember on a Ray cluster: `EmberEmbedder`, a callable class for `ray.data.Dataset.map_batches`, and `run_on_ray`,
+the `ember embed --ray` job built from it.
 
     ds = ray.data.read_parquet("s3://bucket/corpus/")
     ds = ds.map_batches(EmberEmbedder, fn_constructor_kwargs={"model": "Qwen/Qwen3-Embedding-0.6B"},
@@ -8,23 +9,36 @@
 Each actor loads the model once and sizes its threads to the CPUs Ray gave it (`num_cpus`), not to the node's
 cores. Rows the model cannot take (null, blank, refused) are dropped from the output and logged with the reason:
 one bad row never fails a block. Needs `pip install 'ember[ray]'`.
+
+Every stage but the actors reserves no CPU (`num_cpus=0`), and the actor pool starts with one actor and grows to
+its size: Ray Data's file listing needs a free CPU when the job starts, and a pool that took every CPU at once
+would leave it waiting forever.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.dataset as pa_ds
+import pyarrow.fs as pa_fs
 import ray
 
 from ember.batch.backend import local, usable_texts
+from ember.batch.files import file_format, input_files
+from ember.batch.job import EmbedJob, JobSummary
 from ember.errors import ConfigError
 from ember.offline import Embedder
 
-__all__ = ["EmberEmbedder"]
+__all__ = ["EmberEmbedder", "run_on_ray"]
 
 log = logging.getLogger("ember.ray")
 
@@ -60,6 +74,7 @@ class EmberEmbedder:
         self.threads = threads or _assigned_cpus()
         self.embedder = Embedder(model, threads=self.threads, **embedder_options)
         self._embed = local(self.embedder, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name)
+        self.dimension = dimensions or self.embedder.info.dimension
         self.skipped: Counter[str] = Counter()
 
     def info(self) -> dict[str, Any]:
@@ -72,7 +87,7 @@ class EmberEmbedder:
         if isinstance(batch, dict):
             table = self._arrow(pa.table({k: list(v) if np.ndim(v) > 1 else v for k, v in batch.items()}))
             out = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-            out[self.output_column] = _vectors(table.column(self.output_column))
+            out[self.output_column] = _vectors(table.column(self.output_column), self.dimension)
             return out
         return self._arrow(pa.Table.from_pandas(batch, preserve_index=False)).to_pandas()
 
@@ -88,7 +103,7 @@ class EmberEmbedder:
             self.skipped += skipped
             log.warning("rows skipped in this block: %s", dict(skipped))
         kept = table.take(pa.array([keep[k] for k in ok], pa.int64()))
-        dim = done.vectors.shape[1] if done is not None else 0
+        dim = self.dimension  # also when every row of the block was dropped
         vectors = done.vectors[ok] if done is not None else np.zeros((0, dim), np.float32)
         tokens = [done.tokens[k] for k in ok] if done is not None and done.tokens is not None else [None] * len(ok)
         flat = pa.array(np.ascontiguousarray(vectors, np.float32).reshape(-1), pa.float32())
@@ -96,6 +111,116 @@ class EmberEmbedder:
         return kept.append_column("tokens", pa.array(tokens, pa.int32()))
 
 
-def _vectors(column: pa.ChunkedArray) -> np.ndarray:
+def _vectors(column: pa.ChunkedArray, dimension: int) -> np.ndarray:
     flat = column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    return flat.reshape(len(column), -1)
+    return flat.reshape(len(column), dimension)
+
+
+NO_CPU = {"num_cpus": 0}
+"""Reading, column selection and writing: cheap beside the model, and never waiting for a CPU an actor holds."""
+
+BLOCK_BYTES = (16 << 10, 256 << 10)
+"""Input blocks of 16-256 KiB of text (some 4,000-65,000 tokens), not Ray's default of up to 128 MiB: a block is
+what one actor takes at a time, so small blocks spread a corpus over every actor and show progress as it goes."""
+
+
+def run_on_ray(
+    job: EmbedJob,
+    embedder: dict[str, Any],
+    *,
+    address: str | None = None,
+    env: dict[str, str] | None = None,
+    actors: int | None = None,
+    cpus_per_actor: int | None = None,
+    batch_size: int = 256,
+) -> JobSummary:
+    """`ember embed --ray`: read the inputs with Ray Data, embed them on a pool of `EmberEmbedder` actors
+    (`embedder`: their constructor's keywords) and write Parquet into `job.output`. The cluster: the one this
+    process is connected to, else `ray.init(address)` (None: $RAY_ADDRESS or a new local one) with `env` set in
+    its workers. Rows need ids (`job.id_column`): they are read in parallel, so row numbers mean nothing.
+    Default: actors of min(4, cluster CPUs) CPUs each, as many as the cluster's CPUs hold."""
+    if not job.id_column:
+        raise ConfigError("--ray needs --id-column: rows are read in parallel, so their numbers are not stable ids")
+    if job.format != "parquet":
+        raise ConfigError("--ray writes Parquet; --format npy is for one machine")
+    fs, root = _output(job.output, job.overwrite)
+    if ray.is_initialized():
+        return _run(job, embedder, fs, root, actors, cpus_per_actor, batch_size)
+    ray.init(address=address or None, runtime_env={"env_vars": env or {}})
+    try:
+        return _run(job, embedder, fs, root, actors, cpus_per_actor, batch_size)
+    finally:
+        ray.shutdown()
+
+
+def _run(
+    job: EmbedJob, embedder: dict[str, Any], fs: pa_fs.FileSystem, root: str,
+    actors: int | None, cpus_per_actor: int | None, batch_size: int,
+) -> JobSummary:  # fmt: skip
+    start = time.perf_counter()
+    context = ray.data.DataContext.get_current()
+    sizes = context.target_min_block_size, context.target_max_block_size
+    context.target_min_block_size, context.target_max_block_size = BLOCK_BYTES
+    try:
+        source = _read(job)  # the dataset keeps a copy of the context as it is now
+    finally:
+        context.target_min_block_size, context.target_max_block_size = sizes
+    rows_in = source.count()
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    per_actor = cpus_per_actor or min(4, cpus)
+    pool = actors or max(1, cpus // per_actor)
+    log.info("embedding %d rows on %d actor(s) of %d CPU(s)", rows_in, pool, per_actor)
+    out = source.map_batches(
+        EmberEmbedder, fn_constructor_kwargs={"text_column": job.text_column, **embedder}, concurrency=(1, pool),
+        num_cpus=per_actor, batch_size=batch_size, batch_format="pyarrow",
+    )  # fmt: skip
+    out = out.select_columns(["id", "embedding", "tokens", *job.keep_columns], **NO_CPU)
+    out.write_parquet(job.output, min_rows_per_file=job.part_rows, ray_remote_args=NO_CPU)
+    written = pa_ds.dataset(root, filesystem=fs, format="parquet")
+    summary = JobSummary(documents=written.count_rows(), seconds=time.perf_counter() - start)
+    summary.embedded = summary.documents
+    summary.tokens = int(pc.sum(written.to_table(columns=["tokens"]).column("tokens")).as_py() or 0)
+    if rows_in > summary.documents:
+        summary.skipped["null, blank or refused (the actors' log says which and why)"] = rows_in - summary.documents
+    return summary
+
+
+def _output(output: str, overwrite: bool) -> tuple[pa_fs.FileSystem, str]:
+    """The output's filesystem and path, refusing one that holds files (an earlier run's Parquet is deleted
+    with `overwrite`; anything else is never touched)."""
+    fs, root = pa_fs.FileSystem.from_uri(output if "://" in output else os.path.abspath(output))
+    found = [i for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True)) if i.is_file]
+    ours = [i.path for i in found if i.path.endswith(".parquet")]
+    if len(ours) < len(found):
+        raise ConfigError(f"{output} holds files that are not Parquet: choose an empty output directory")
+    if ours and not overwrite:
+        raise ConfigError(f"{output} holds the output of an earlier run: pass --overwrite to replace it")
+    for path in ours:
+        fs.delete_file(path)
+    return fs, root
+
+
+def _read(job: EmbedJob) -> ray.data.Dataset:
+    """The inputs as one dataset of the id (renamed `id`), text and kept columns; one format per job."""
+    paths = [p for item in job.inputs for p in ([item] if "://" in item else map(str, input_files([item])))]
+    kinds = {"parquet" if "://" in p and file_format(Path(p)) == "text" else file_format(Path(p)) for p in paths}
+    if len(kinds) > 1:
+        raise ConfigError(f"--ray reads one input format per job; these inputs are {sorted(kinds)}")
+    kind = kinds.pop()
+    if kind == "text":
+        raise ConfigError("--ray needs an id per row, which plain text has not: use JSONL, CSV or Parquet")
+    if kind == "parquet":
+        source = ray.data.read_parquet(paths, ray_remote_args=NO_CPU)
+    elif kind == "json":
+        source = ray.data.read_json(paths, lines=True, ray_remote_args=NO_CPU)
+    else:
+        options = pa_csv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
+        source = ray.data.read_csv(paths, parse_options=options, ray_remote_args=NO_CPU)
+    wanted = list(dict.fromkeys([job.id_column, job.text_column, *job.keep_columns]))
+    missing = [c for c in wanted if c not in source.schema().names]
+    if missing:
+        raise ConfigError(f"the input has no column(s) {missing}; it has {source.schema().names}")
+    source = source.select_columns(wanted, **NO_CPU)
+    if job.id_column != "id":
+        source = source.rename_columns({job.id_column: "id"}, **NO_CPU)
+    return source

@@ -17,7 +17,7 @@ import pyarrow.json as pa_json
 
 from ember.errors import ConfigError, InputError
 
-__all__ = ["input_files", "read_batches"]
+__all__ = ["file_format", "input_files", "read_batches"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 
@@ -39,7 +39,8 @@ def input_files(inputs: list[str]) -> list[Path]:
     return files
 
 
-def _format(path: Path) -> str:
+def file_format(path: Path) -> str:
+    """json, csv, tsv, parquet or text (anything else), from the file's suffix."""
     return _FORMATS.get(path.suffix.lower(), "text")
 
 
@@ -56,7 +57,7 @@ def read_batches(files: list[Path], text_column: str, rows: int) -> Iterator[tup
 
 
 def _batches(path: Path, text_column: str, rows: int) -> Iterator[pa.RecordBatch]:
-    kind = _format(path)
+    kind = file_format(path)
     if kind == "text":
         yield from _text_lines(path, text_column, rows)
         return

@@ -74,10 +74,12 @@ class JobSummary:
         rate = self.tokens / self.seconds if self.seconds else 0.0
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
         state = "interrupted (run the same command again to continue)" if self.interrupted else "done"
+        parts = self.parts_written or self.parts_skipped
         return (
             f"{state}: {self.documents} documents ({self.embedded} embedded, {self.cached} from the cache), "
             f"{self.tokens} tokens in {self.seconds:.1f} s ({rate:.0f} tokens/s); "
-            f"parts written {self.parts_written}, already done {self.parts_skipped}; rows skipped: {why}"
+            + (f"parts written {self.parts_written}, already done {self.parts_skipped}; " if parts else "")
+            + f"rows skipped: {why}"
         )
 
 

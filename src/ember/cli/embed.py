@@ -45,8 +45,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cache", default=None, metavar="DIR", help="keep vectors by text: unchanged texts are not re-run")
     p.add_argument("--url", action="append", default=[], help="embed on this running server (repeat to spread)")
     p.add_argument("--api-key", default=None, help="bearer token for --url (default: $EMBER_API_KEY, $OPENAI_API_KEY)")
-    p.add_argument("--batch-size", type=int, default=32, help="texts per request with --url")
+    p.add_argument("--batch-size", type=int, default=None, help="texts per --url request (32) or --ray batch (256)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per --url")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="on a Ray cluster (ADDRESS, $RAY_ADDRESS, or a new local one); needs --id-column")  # fmt: skip
+    p.add_argument("--actors", type=int, default=None, help="with --ray: model copies (default: as the CPUs hold)")
+    p.add_argument("--cpus-per-actor", type=int, default=None, help="with --ray: threads each (min(4, CPUs))")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="do not torch.compile the fused regions")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         maybe_reexec_with_allocator(sys.argv[1:])
         threads = prepare_process(args.threads, None).threads
-        return _embed(args, threads)
+        return _on_ray(args) if args.ray is not None else _embed(args, threads)
     except EmberError as e:
         print(f"ember embed: {e}", file=sys.stderr)
         return 2
@@ -80,7 +84,7 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
         from ember.batch.remote import RemoteEmbedder
 
         key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size,
+        remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size or 32,
                                 concurrency=args.concurrency, **params)  # fmt: skip
         return remote, remote.model, remote.close
     from ember.offline import Embedder
@@ -93,15 +97,21 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
     return local(embedder, **params), model_fingerprint(embedder.path), None
 
 
-def _embed(args: argparse.Namespace, threads: int) -> int:
-    from ember.batch.cache import VectorCache
-    from ember.batch.job import EmbedJob, run_job
+def _job(args: argparse.Namespace) -> Any:
+    from ember.batch.job import EmbedJob
 
-    embed, identity, close = _backend(args, threads)
-    job = EmbedJob(
+    return EmbedJob(
         tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
         args.part_rows, args.overwrite, args.format, _options(args),
     )  # fmt: skip
+
+
+def _embed(args: argparse.Namespace, threads: int) -> int:
+    from ember.batch.cache import VectorCache
+    from ember.batch.job import run_job
+
+    embed, identity, close = _backend(args, threads)
+    job = _job(args)
     cache = VectorCache(args.cache, identity, _options(args)) if args.cache else None
     try:
         with _Progress() as progress, _Stop() as stop:
@@ -111,9 +121,33 @@ def _embed(args: argparse.Namespace, threads: int) -> int:
             close()
         if cache is not None:
             cache.close()
-    print(summary.line(), file=sys.stderr)
     if args.url:
         log.info("requests sent again after a 429/503 or a lost connection: %d", embed.retries)
+    return _report(summary)
+
+
+def _on_ray(args: argparse.Namespace) -> int:
+    """The same job on a Ray cluster: `ember.ray.run_on_ray` with this command's model options."""
+    if args.url or args.cache:
+        raise EmberError("--ray loads the model on the cluster's actors: it takes neither --url nor --cache")
+    try:
+        from ember.ray import run_on_ray
+    except ImportError:
+        raise EmberError("--ray needs Ray: pip install 'ember[ray]'") from None
+    embedder = {"model": args.model, "dimensions": args.dimensions, "normalize": args.normalize,
+                "prompt_name": args.prompt_name, "dtype": args.dtype, "quantization": args.quantization,
+                "max_model_len": args.max_model_len, "pooler_config": args.pooler_config,
+                "hf_overrides": parse_json_flag(args.hf_overrides, "--hf-overrides"), "auto_truncate": args.truncate,
+                "enforce_eager": args.enforce_eager}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k.startswith(("EMBER_", "HF_"))}  # the operator's settings
+    summary = run_on_ray(_job(args), embedder, address=args.ray, env=env, actors=args.actors,
+                         cpus_per_actor=args.cpus_per_actor, batch_size=args.batch_size or 256)  # fmt: skip
+    return _report(summary)
+
+
+def _report(summary: Any) -> int:
+    """The summary line on stderr, the same as JSON on stdout; exit status 130 when interrupted."""
+    print(summary.line(), file=sys.stderr)
     print(json.dumps({"documents": summary.documents, "embedded": summary.embedded, "cached": summary.cached,
                       "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
                       "skipped": dict(summary.skipped), "interrupted": summary.interrupted}))  # fmt: skip
