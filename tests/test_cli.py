@@ -120,3 +120,23 @@ def test_bench_errors_are_one_clear_line():
     unreachable = _ember("bench", "--url", "http://127.0.0.1:1")
     assert unreachable.returncode == 2 and len(unreachable.stderr.strip().splitlines()) == 1
     assert "cannot reach http://127.0.0.1:1" in unreachable.stderr
+
+
+def test_the_kuberay_job_runs_a_command_ember_embed_accepts():
+    import shlex
+    from pathlib import Path
+
+    import yaml
+
+    from ember.cli.main import build_parser
+
+    manifest = Path(__file__).resolve().parent.parent / "deploy/kuberay/rayjob-embed.yaml"
+    spec = yaml.safe_load(manifest.read_text())["spec"]
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[0] == "ember"
+    args = build_parser().parse_args(argv[1:])
+    assert args.ray == "" and args.id_column and args.inputs == ["s3://my-bucket/corpus/"]  # joins RAY_ADDRESS
+    head = spec["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # actors only on the workers
+    workers = spec["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert int(workers["resources"]["limits"]["cpu"]) % args.cpus_per_actor == 0  # whole actors per pod

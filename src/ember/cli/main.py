@@ -7,10 +7,11 @@ import sys
 
 from ember.version import __version__
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`ember` and its subcommands' flags."""
     from ember.cli import bench, doctor, embed, serve
 
     parser = argparse.ArgumentParser(
@@ -24,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_parser(sub)
     embed.add_parser(sub)
     bench.add_parser(sub)
-    args = parser.parse_args(argv)  # unknown flags are an error, as in vLLM: never silently misparsed
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # unknown flags are an error, as in vLLM: never silently misparsed
     return int(args.run(args) or 0)
 
 
