@@ -237,3 +237,16 @@ def test_url_spreads_over_servers_retries_429s_and_refuses_only_the_bad_row(tmp_
     assert table["id"] == list(range(150)) + list(range(151, 301)) and set(table["tokens"]) == {None}
     np.testing.assert_allclose(np.array(table["embedding"]), embedder.embed(texts).vectors, atol=1e-5)
     assert report["tokens"] == sum(embedder.embed(texts).token_counts)
+
+
+def test_local_embeds_in_slices_with_every_row_where_one_call_puts_it(embedder, monkeypatch):
+    from ember.batch import backend
+
+    texts = [f"{SENTENCES[i % len(SENTENCES)][:80]} {i}" for i in range(10)]
+    texts[7] = "word " * 200  # too long for the 64-position model: refused, its neighbours kept
+    whole = backend.local(embedder)(texts)
+    monkeypatch.setattr(backend, "CHUNK", 3)
+    sliced = backend.local(embedder)(texts)
+    assert sliced.refused == whole.refused == {7: "too long"}
+    np.testing.assert_allclose(sliced.vectors, whole.vectors, atol=1e-6)
+    assert sliced.tokens == whole.tokens and sliced.total_tokens == whole.total_tokens

@@ -41,17 +41,36 @@ def refusal(error: Exception) -> str:
     return "too long" if "context length" in text or "input length" in text or "maximum" in text else "refused"
 
 
+CHUNK = 1024
+"""Texts given to the Embedder at once. Its tokenizer holds every text's encoding until the call returns (some
+100 bytes a token), so a part of 10,000 long documents in one call took a gigabyte more than one of 2,000; in
+slices of this size memory no longer grows with the part, and each slice still fills many batches."""
+
+
 def local(embedder: Any, **params: Any) -> Embed:
-    """Embed with an in-process `ember.Embedder` (params: dimensions, normalize, prompt_name)."""
+    """Embed with an in-process `ember.Embedder` (params: dimensions, normalize, prompt_name), in slices of CHUNK
+    texts."""
 
     def embed(texts: list[str]) -> Embedded:
-        try:
-            out = embedder.embed(texts, **params)
-            return Embedded(out.vectors, list(out.token_counts), sum(out.token_counts))
-        except InputError:  # find the texts at fault, one at a time (rare)
-            return _one_by_one(embedder, texts, params)
+        done = [_slice(embedder, texts[i : i + CHUNK], params) for i in range(0, len(texts), CHUNK)]
+        if len(done) == 1:
+            return done[0]
+        dim = max((d.vectors.shape[1] for d in done if d.vectors.ndim == 2), default=0)
+        refused = {i * CHUNK + k: why for i, d in enumerate(done) for k, why in d.refused.items()}
+        vectors = np.concatenate([d.vectors if d.vectors.shape[1] == dim else np.zeros((len(d.vectors), dim),
+                                  np.float32) for d in done])  # fmt: skip
+        tokens = [t for d in done for t in (d.tokens or [])]
+        return Embedded(vectors, tokens, sum(d.total_tokens for d in done), refused)
 
     return embed
+
+
+def _slice(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embedded:
+    try:
+        out = embedder.embed(texts, **params)
+        return Embedded(out.vectors, list(out.token_counts), sum(out.token_counts))
+    except InputError:  # find the texts at fault, one at a time (rare)
+        return _one_by_one(embedder, texts, params)
 
 
 def _one_by_one(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embedded:
