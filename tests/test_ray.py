@@ -91,14 +91,14 @@ def test_ember_embed_ray_writes_every_row_once_with_the_embedders_vectors(cluste
     texts = _texts(2400)
     src = tmp_path / "corpus"
     src.mkdir()
-    for k in range(3):  # three JSONL files, a blank row among them
-        rows = [
-            {"doc": f"d{i}", "text": "" if i == 11 else texts[i], "url": f"u{i}"} for i in range(k * 800, (k + 1) * 800)
-        ]
+    for k in range(3):  # three JSONL files, a blank row among them; ids that look like numbers stay strings
+        rows = [{"doc": f"{i:06d}", "text": "" if i == 11 else texts[i], "url": f"u{i}"}
+                for i in range(k * 800, (k + 1) * 800)]  # fmt: skip
         (src / f"part-{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     address = ray.get_runtime_context().gcs_address
-    done = _cli(model, address, str(src), "-o", str(tmp_path / "out"), "--id-column", "doc", "--keep-columns", "url",
-                "--actors", "2", "--cpus-per-actor", "1", "--part-rows", "500")  # fmt: skip
+    argv = [str(src), "-o", str(tmp_path / "out"), "--id-column", "doc", "--keep-columns", "url", "--actors", "2",
+            "--cpus-per-actor", "1", "--part-rows", "500"]  # fmt: skip
+    done = _cli(model, address, *argv)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["documents"] == 2399 and sum(summary["skipped"].values()) == 1
@@ -106,8 +106,8 @@ def test_ember_embed_ray_writes_every_row_once_with_the_embedders_vectors(cluste
     assert table.schema.names == ["id", "embedding", "tokens", "url"]
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 32)
     ids = table.column("id").to_pylist()
-    assert sorted(ids) == sorted(f"d{i}" for i in range(2400) if i != 11)  # each row once
-    order = [int(i[1:]) for i in ids]
+    assert sorted(ids) == [f"{i:06d}" for i in range(2400) if i != 11]  # each row once, ids as written
+    order = [int(i) for i in ids]
     expected = Embedder(str(model), dtype="float32", enforce_eager=True).embed([texts[i] for i in order])
     np.testing.assert_allclose(np.array(table.column("embedding").to_pylist()), expected.vectors, atol=1e-5)
     assert table.column("tokens").to_pylist() == expected.token_counts
@@ -115,11 +115,38 @@ def test_ember_embed_ray_writes_every_row_once_with_the_embedders_vectors(cluste
     assert table.column("url").to_pylist() == [f"u{i}" for i in order]
     assert duckdb.sql(f"select count(*) from '{tmp_path / 'out'}/*.parquet'").fetchall() == [(2399,)]
 
-    again = _cli(model, address, str(src), "-o", str(tmp_path / "out"), "--id-column", "doc")
+    again = _cli(model, address, *argv)
     assert again.returncode == 2 and "--overwrite" in again.stderr  # never mixed with an earlier run's rows
+    over = _cli(model, address, *argv, "--overwrite")
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert pq.read_table(tmp_path / "out").num_rows == 2399  # replaced, not added to
 
 
-def test_ember_embed_ray_needs_an_id_column(model, tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
-    done = _cli(model, "127.0.0.1:1", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "out"))
-    assert done.returncode == 2 and "--id-column" in done.stderr
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["{src}", "-o", "{out}"], "--id-column"),
+        (["{src}", "-o", "{out}", "--id-column", "doc", "--keep-columns", "doc"], "--keep-columns"),
+        (["{src_dir}", "-o", "{src_dir}/vectors", "--id-column", "doc"], "overlaps the inputs"),
+        (["{src}", "-o", "{theirs}", "--id-column", "doc", "--overwrite"], "did not write"),
+    ],
+)
+def test_ember_embed_ray_refuses_before_touching_a_cluster(model, tmp_path, argv, needle):
+    src = tmp_path / "in" / "a.jsonl"
+    src.parent.mkdir()
+    src.write_text('{"doc": "a", "text": "a"}\n')
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    pq.write_table(pa.table({"x": [1]}), theirs / "data.parquet")  # a user's own file: never deleted
+    fill = {"src": str(src), "out": str(tmp_path / "out"), "src_dir": str(src.parent), "theirs": str(theirs)}
+    done = _cli(model, "127.0.0.1:1", *[a.format(**fill) for a in argv])
+    assert done.returncode == 2 and needle in done.stderr, done.stderr[-2000:]
+    assert (theirs / "data.parquet").exists()
+
+
+def test_ray_taking_an_input_as_its_address_is_named(model, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"doc": "a", "text": "a"}\n')
+    cmd = [sys.executable, "-m", "ember.cli.main", "embed", str(tmp_path / "a.jsonl"), "--ray",
+           str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "out"), "--id-column", "doc"]  # fmt: skip
+    done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--ray took" in done.stderr

@@ -17,6 +17,7 @@ would leave it waiting forever.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -74,7 +75,7 @@ class EmberEmbedder:
         self.threads = threads or _assigned_cpus()
         self.embedder = Embedder(model, threads=self.threads, **embedder_options)
         self._embed = local(self.embedder, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name)
-        self.dimension = dimensions or self.embedder.info.dimension
+        self.dimension = self._embed(["width"]).vectors.shape[1]  # as the options make it, for blocks all dropped
         self.skipped: Counter[str] = Counter()
 
     def info(self) -> dict[str, Any]:
@@ -143,7 +144,10 @@ def run_on_ray(
         raise ConfigError("--ray needs --id-column: rows are read in parallel, so their numbers are not stable ids")
     if job.format != "parquet":
         raise ConfigError("--ray writes Parquet; --format npy is for one machine")
-    fs, root = _output(job.output, job.overwrite)
+    clash = sorted({job.id_column, "id", "embedding", "tokens"} & set(job.keep_columns))
+    if clash:
+        raise ConfigError(f"--keep-columns {clash}: the output has them already (id, embedding, tokens)")
+    fs, root = _output(job, check_only=True)
     if ray.is_initialized():
         return _run(job, embedder, fs, root, actors, cpus_per_actor, batch_size)
     ray.init(address=address or None, runtime_env={"env_vars": env or {}})
@@ -165,38 +169,73 @@ def _run(
         source = _read(job)  # the dataset keeps a copy of the context as it is now
     finally:
         context.target_min_block_size, context.target_max_block_size = sizes
+    per_actor, pool = _pool(cpus_per_actor, actors)
+    _output(job, check_only=False)  # the inputs are readable: now an earlier run's files may go
     rows_in = source.count()
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    per_actor = cpus_per_actor or min(4, cpus)
-    pool = actors or max(1, cpus // per_actor)
-    log.info("embedding %d rows on %d actor(s) of %d CPU(s)", rows_in, pool, per_actor)
+    log.info("embedding %d rows on up to %d actor(s) of %d CPU(s)", rows_in, pool, per_actor)
     out = source.map_batches(
         EmberEmbedder, fn_constructor_kwargs={"text_column": job.text_column, **embedder}, concurrency=(1, pool),
         num_cpus=per_actor, batch_size=batch_size, batch_format="pyarrow",
     )  # fmt: skip
     out = out.select_columns(["id", "embedding", "tokens", *job.keep_columns], **NO_CPU)
-    out.write_parquet(job.output, min_rows_per_file=job.part_rows, ray_remote_args=NO_CPU)
-    written = pa_ds.dataset(root, filesystem=fs, format="parquet")
-    summary = JobSummary(documents=written.count_rows(), seconds=time.perf_counter() - start)
+    out.write_parquet(root, filesystem=fs, min_rows_per_file=job.part_rows, ray_remote_args=NO_CPU)
+    files = _parquet_files(fs, root)
+    written = pa_ds.dataset(files, filesystem=fs, format="parquet") if files else None
+    summary = JobSummary(documents=written.count_rows() if written else 0, seconds=time.perf_counter() - start)
     summary.embedded = summary.documents
-    summary.tokens = int(pc.sum(written.to_table(columns=["tokens"]).column("tokens")).as_py() or 0)
+    if written is not None:
+        summary.tokens = int(pc.sum(written.to_table(columns=["tokens"]).column("tokens")).as_py() or 0)
     if rows_in > summary.documents:
         summary.skipped["null, blank or refused (the actors' log says which and why)"] = rows_in - summary.documents
     return summary
 
 
-def _output(output: str, overwrite: bool) -> tuple[pa_fs.FileSystem, str]:
-    """The output's filesystem and path, refusing one that holds files (an earlier run's Parquet is deleted
-    with `overwrite`; anything else is never touched)."""
+def _pool(cpus_per_actor: int | None, actors: int | None) -> tuple[int, int]:
+    """(CPUs per actor, actors): an actor must fit on one node; by default min(4, the largest node's CPUs) each,
+    as many as the nodes hold."""
+    nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    largest = max(nodes, default=0)
+    per_actor = cpus_per_actor or max(1, min(4, largest))
+    if per_actor > largest:
+        raise ConfigError(f"--cpus-per-actor {per_actor}: no node of this cluster has that many CPUs ({largest})")
+    return per_actor, actors or max(1, sum(n // per_actor for n in nodes))
+
+
+MARKER = "_ember_ray.json"
+"""Written into the output by `--ray`: `--overwrite` deletes Parquet files only where it finds it."""
+
+
+def _parquet_files(fs: pa_fs.FileSystem, root: str) -> list[str]:
+    return sorted(i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True))
+                  if i.is_file and i.path.endswith(".parquet"))  # fmt: skip
+
+
+def _overlap(out: Path, source: Path) -> bool:
+    """True when an input lies in the output, or the output in an input directory (a rerun would read it)."""
+    return out == source or out in source.parents or (source.is_dir() and out.is_relative_to(source))
+
+
+def _output(job: EmbedJob, *, check_only: bool) -> tuple[pa_fs.FileSystem, str]:
+    """The output's filesystem and path. Refused: a directory holding other files, an input's directory, or an
+    earlier run's output without `overwrite` (then its Parquet files are deleted, and nothing else)."""
+    output = job.output
     fs, root = pa_fs.FileSystem.from_uri(output if "://" in output else os.path.abspath(output))
-    found = [i for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True)) if i.is_file]
-    ours = [i.path for i in found if i.path.endswith(".parquet")]
-    if len(ours) < len(found):
-        raise ConfigError(f"{output} holds files that are not Parquet: choose an empty output directory")
-    if ours and not overwrite:
+    if "://" not in output and any(_overlap(Path(root), Path(i).resolve()) for i in job.inputs if "://" not in i):
+        raise ConfigError(f"{output} overlaps the inputs: choose another output directory")
+    found = [i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True))
+             if i.is_file]  # fmt: skip
+    ours = _parquet_files(fs, root)
+    marked = any(path.endswith("/" + MARKER) for path in found)
+    if len(ours) + marked < len(found) or (ours and not marked):
+        raise ConfigError(f"{output} holds files ember did not write: choose an empty output directory")
+    if ours and not job.overwrite:
         raise ConfigError(f"{output} holds the output of an earlier run: pass --overwrite to replace it")
-    for path in ours:
-        fs.delete_file(path)
+    if not check_only:
+        for path in ours:
+            fs.delete_file(path)
+        fs.create_dir(root, recursive=True)
+        with fs.open_output_stream(f"{root}/{MARKER}") as f:
+            f.write(json.dumps({"inputs": list(job.inputs), "options": job.options}, default=str).encode())
     return fs, root
 
 
@@ -210,12 +249,12 @@ def _read(job: EmbedJob) -> ray.data.Dataset:
     if kind == "text":
         raise ConfigError("--ray needs an id per row, which plain text has not: use JSONL, CSV or Parquet")
     if kind == "parquet":
-        source = ray.data.read_parquet(paths, ray_remote_args=NO_CPU)
-    elif kind == "json":
-        source = ray.data.read_json(paths, lines=True, ray_remote_args=NO_CPU)
+        source = ray.data.read_parquet(paths, num_cpus=0)
+    elif kind == "json":  # pyarrow's reader, as on one machine: string ids stay strings
+        source = ray.data.read_json(paths, num_cpus=0, file_extensions=None)
     else:
         options = pa_csv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
-        source = ray.data.read_csv(paths, parse_options=options, ray_remote_args=NO_CPU)
+        source = ray.data.read_csv(paths, parse_options=options, num_cpus=0, file_extensions=None)
     wanted = list(dict.fromkeys([job.id_column, job.text_column, *job.keep_columns]))
     missing = [c for c in wanted if c not in source.schema().names]
     if missing:

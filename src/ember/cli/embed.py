@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         maybe_reexec_with_allocator(sys.argv[1:])
-        threads = prepare_process(args.threads, None).threads
-        return _on_ray(args) if args.ray is not None else _embed(args, threads)
+        if args.ray is not None:
+            return _on_ray(args)  # threads are the actors' to size, not this driver's
+        return _embed(args, prepare_process(args.threads, None).threads)
     except EmberError as e:
         print(f"ember embed: {e}", file=sys.stderr)
         return 2
@@ -139,10 +140,28 @@ def _on_ray(args: argparse.Namespace) -> int:
                 "max_model_len": args.max_model_len, "pooler_config": args.pooler_config,
                 "hf_overrides": parse_json_flag(args.hf_overrides, "--hf-overrides"), "auto_truncate": args.truncate,
                 "enforce_eager": args.enforce_eager}  # fmt: skip
+    if args.ray and _looks_like_input(args.ray):
+        raise EmberError(f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or name the "
+                         "address (--ray auto, --ray HOST:PORT, --ray ray://HOST:10001)")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k.startswith(("EMBER_", "HF_"))}  # the operator's settings
-    summary = run_on_ray(_job(args), embedder, address=args.ray, env=env, actors=args.actors,
-                         cpus_per_actor=args.cpus_per_actor, batch_size=args.batch_size or 256)  # fmt: skip
+    try:
+        summary = run_on_ray(_job(args), embedder, address=args.ray, env=env, actors=args.actors,
+                             cpus_per_actor=args.cpus_per_actor, batch_size=args.batch_size or 256)  # fmt: skip
+    except EmberError:
+        raise
+    except Exception as e:  # Ray's own failures (no cluster at that address, a task that failed for good)
+        log.debug("the Ray job failed", exc_info=True)
+        raise EmberError(f"the Ray job failed: {type(e).__name__}: {e}") from e
     return _report(summary)
+
+
+def _looks_like_input(value: str) -> bool:
+    """A path, glob or data URI rather than a Ray address (auto, HOST:PORT, ray://...)."""
+    import glob
+
+    suffix = value.rsplit("/", 1)[-1].rpartition(".")[2].lower()
+    data = suffix in ("jsonl", "json", "ndjson", "csv", "tsv", "parquet", "txt")
+    return value.startswith(("s3:", "gs:", "file:", "/", ".")) or data or bool(glob.glob(value))
 
 
 def _report(summary: Any) -> int:
