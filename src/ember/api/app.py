@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
+from ember.api.cohere import cohere
 from ember.api.errors import install_error_handlers
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
@@ -50,6 +51,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     install_error_handlers(app)
     app.include_router(inference)
     app.include_router(scoring)
+    app.include_router(cohere)
     app.include_router(probes)
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes)
     return app

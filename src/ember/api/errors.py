@@ -78,7 +78,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONBytes:
         return error_response(400, f"request body is not valid JSON: {first.get('msg')}")
     field = loc[0] if loc else None
     where = ".".join(loc) or "body"
-    return error_response(400, f"invalid value for '{where}': {first.get('msg')}", field)
+    got = f", got {first['input']!r}" if first.get("type") in ("literal_error", "enum") and "input" in first else ""
+    return error_response(400, f"invalid value for '{where}': {first.get('msg')}{got}", field)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONBytes:

@@ -7,7 +7,6 @@ behind the API key; probes and /metrics stay open.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import time
 import uuid
@@ -15,9 +14,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
+from ember.api.encoding import bytes_response, encode
 from ember.api.metrics import Metrics
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
@@ -32,6 +31,7 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams
+from ember.errors import InputError
 from ember.version import __version__
 
 __all__ = ["Context", "context", "engine_call", "inference", "probes", "require_api_key"]
@@ -110,12 +110,6 @@ def _params(body: EmbeddingRequest) -> EmbedParams:
     )
 
 
-def _encode(vector: np.ndarray, encoding_format: str | None) -> Any:
-    if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return vector  # orjson writes float32 arrays as JSON numbers
-
-
 class Outcome(Protocol):
     """What an engine call reports beside its answer (EmbedResult, ScoreResult)."""
 
@@ -156,8 +150,13 @@ async def _vectors(request: Request, body: EmbeddingRequest, *, prefix: str, kin
     """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order."""
     params = _params(body)
     ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(body.input, params))
-    data = [{"index": i, "object": kind, field: _encode(v, body.encoding_format)} for i, v in enumerate(result.vectors)]
-    return JSONBytes(_envelope(ctx, request, prefix, data, tokens))
+    envelope = _envelope(ctx, request, prefix, [], tokens)
+    fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
+    if fmt in ("bytes", "bytes_only"):
+        return bytes_response(list(result.vectors), envelope, fmt, dtype, order)
+    envelope["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)}
+                        for i, v in enumerate(result.vectors)]  # fmt: skip
+    return JSONBytes(envelope)
 
 
 def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -180,7 +179,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 @inference.post("/pooling", response_model=PoolingResponse)
 async def pooling(body: EmbeddingRequest, request: Request) -> Response:
-    """vLLM's pooling endpoint: the pooled vectors under `data`."""
+    """vLLM's pooling endpoint: the pooled vectors under `data`. `task` (vLLM's) may be `embed`, the one pooling
+    task ember runs; any other is refused as vLLM refuses a task the model does not support."""
+    task = (body.model_extra or {}).get("task")
+    supported = ("embed",) if context(request).engine.info.task == "embed" else ()
+    if task is not None and task not in supported:
+        raise InputError(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
     return await _vectors(request, body, prefix="pool", kind="pooling", field="data")
 
 

@@ -33,8 +33,14 @@ class EmbeddingRequest(_Request):
 
     model: str | None = None
     input: Input
-    encoding_format: Literal["float", "base64"] | None = Field(
-        None, description="float (default, also when null) or base64 of little-endian float32"
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] | None = Field(
+        None, description="float (default, also when null), base64, or a raw body (bytes: with a metadata header)"
+    )
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "float32", description="the type of base64 and bytes values (vLLM's)"
+    )
+    endianness: Literal["native", "big", "little"] = Field(
+        "native", description="the byte order of base64 and bytes values; native: the server's (vLLM's)"
     )
     dimensions: int | None = Field(None, description="Matryoshka truncation (Matryoshka models only)")
     user: str | None = None

@@ -179,6 +179,8 @@ class EmbedParams:
     add_special_tokens: bool = True
     prompt_name: str | None = None
     """A prompt of the model's (config_sentence_transformers.json) put before each text; None: its default."""
+    prompt: str | None = None
+    """The text to put before each text instead ("": nothing, whatever the model's default)."""
 
 
 class Prepared(NamedTuple):
@@ -207,7 +209,8 @@ class Preprocessor:
         """Everything about a request that needs no tokenising; raises InputError."""
         items = split_inputs(inputs)
         normalize = self.info.pooling.normalize if params.normalize is None else params.normalize
-        return Prepared(items, self.prompt(params.prompt_name), self._dimensions(params.dimensions), normalize)
+        prompt = self.prompt(params.prompt_name) if params.prompt is None else params.prompt
+        return Prepared(items, prompt, self._dimensions(params.dimensions), normalize)
 
     def prompt(self, prompt_name: str | None) -> str:
         """The prompt to put before each text: the named one, else the model's default, else none."""

@@ -1,0 +1,66 @@
+"""Vectors on the wire as vLLM sends them: JSON floats, base64, or a raw body (`bytes`, `bytes_only`), in the
+`embed_dtype` and `endianness` the request names.
+
+`embed_dtype` is float32 (default), float16, bfloat16 or an fp8 format; each vector is cast to it and its bytes
+are sent as they are (bfloat16 and fp8 as their raw bits: 2 and 1 bytes per value). `native` endianness is the
+server's byte order. With `bytes`, the `metadata` header holds JSON with each vector's `start`/`end` offsets in the
+body, its `shape`, `embed_dtype` and `endianness`, and `usage`, as vLLM's does; `bytes_only` sends the body alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+from fastapi import Response
+
+__all__ = ["EMBED_DTYPES", "EmbedDType", "Endianness", "bytes_response", "encode", "to_bytes"]
+
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+
+EMBED_DTYPES: dict[str, Any] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "fp8_e5m2": ml_dtypes.float8_e5m2,
+}
+"""Each embed_dtype as a numpy type (ml_dtypes for those numpy lacks; it rounds as torch does, as vLLM casts)."""
+
+
+def to_bytes(vector: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+    """One vector's values as `embed_dtype`, in `endianness` byte order."""
+    raw = np.ascontiguousarray(vector, np.float32).astype(EMBED_DTYPES[embed_dtype])
+    if endianness not in ("native", sys.byteorder) and raw.itemsize > 1:
+        raw = raw.view(f"u{raw.itemsize}").byteswap()
+    return raw.tobytes()
+
+
+def encode(vector: np.ndarray, encoding_format: str | None, embed_dtype: str, endianness: str) -> Any:
+    """A vector for a JSON body: float32 numbers (orjson writes the array) or base64 of its bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(to_bytes(vector, embed_dtype, endianness)).decode("ascii")
+    return vector
+
+
+def bytes_response(
+    vectors: list[np.ndarray], envelope: dict[str, Any], encoding_format: str, embed_dtype: str, endianness: str
+) -> Response:
+    """The vectors back to back as the body; with `bytes`, where each one lies in a `metadata` header."""
+    body, items, offset = [], [], 0
+    for index, vector in enumerate(vectors):
+        raw = to_bytes(vector, embed_dtype, endianness)
+        items.append({"index": index, "embed_dtype": embed_dtype, "endianness": endianness, "start": offset,
+                      "end": offset + len(raw), "shape": list(np.shape(vector))})  # fmt: skip
+        body.append(raw)
+        offset += len(raw)
+    headers = None
+    if encoding_format == "bytes":
+        meta = {k: envelope[k] for k in ("id", "created", "model", "usage")}
+        headers = {"metadata": json.dumps({**meta, "data": items})}
+    return Response(b"".join(body), media_type="application/octet-stream", headers=headers)

@@ -1,0 +1,122 @@
+"""vLLM's wire encodings on /v1/embeddings and /pooling: embed_dtype and endianness for base64 and raw bodies
+(`bytes` with its metadata header, `bytes_only`); a 400 naming the field, the bad value and the allowed ones for a
+value outside an enumerated field's set; /pooling's `task`."""
+
+import base64
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from ember.api.app import create_app
+from ember.config import EngineConfig, ServerConfig
+from ember.engine.engine import AsyncEngine
+
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+         "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+TEXTS = ["hello world", "a somewhat longer sentence here", "x"]
+
+
+@pytest.fixture
+def client(runner, tokenizer):
+    engine = AsyncEngine(runner, tokenizer, EngineConfig(), None)
+    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",))), raise_server_exceptions=False) as c:
+        yield c
+
+
+def decode(raw: bytes, dtype: str, endianness: str) -> np.ndarray:
+    """As a client does: the bytes as integers of the dtype's width in the stated order, reinterpreted."""
+    order = {"native": "=", "little": "<", "big": ">"}[endianness]
+    ints = np.frombuffer(raw, f"{order}u{WIDTH[dtype]}").astype(f"=u{WIDTH[dtype]}")
+    return torch.from_numpy(ints.copy()).view(TORCH[dtype]).float().numpy()
+
+
+def expected(vector, dtype: str) -> np.ndarray:
+    return torch.tensor(np.asarray(vector, np.float32)).to(TORCH[dtype]).float().numpy()
+
+
+def floats(client, route="/v1/embeddings"):
+    body = client.post(route, json={"input": TEXTS}).json()
+    return [d["embedding" if route == "/v1/embeddings" else "data"] for d in body["data"]]
+
+
+@pytest.mark.parametrize("endianness", ["native", "little", "big"])
+@pytest.mark.parametrize("dtype", list(TORCH))
+def test_base64_carries_each_dtype_in_the_byte_order_asked(client, dtype, endianness):
+    ref = floats(client)
+    r = client.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64", "embed_dtype": dtype,
+                                            "endianness": endianness})  # fmt: skip
+    assert r.status_code == 200, r.text
+    for d, vector in zip(r.json()["data"], ref, strict=True):
+        raw = base64.b64decode(d["embedding"])
+        assert len(raw) == WIDTH[dtype] * len(vector)
+        np.testing.assert_array_equal(decode(raw, dtype, endianness), expected(vector, dtype))
+
+
+def test_big_endian_float16_reads_back_with_numpys_big_endian_type(client):
+    ref = floats(client)[0]
+    r = client.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": "float16",
+                                            "endianness": "big"})  # fmt: skip
+    got = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), ">f2")
+    np.testing.assert_array_equal(got, np.asarray(ref, np.float32).astype(np.float16))
+    if sys.byteorder == "little":  # the bytes really are swapped, not just labelled
+        native = client.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64",
+                                                     "embed_dtype": "float16"}).json()  # fmt: skip
+        assert base64.b64decode(native["data"][0]["embedding"]) != base64.b64decode(r.json()["data"][0]["embedding"])
+
+
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/pooling"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e5m2"])
+def test_bytes_body_with_vllms_metadata_header(client, route, dtype):
+    ref = floats(client, route)
+    r = client.post(route, json={"input": TEXTS, "encoding_format": "bytes", "embed_dtype": dtype,
+                                 "endianness": "big"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    assert meta["model"] == "m" and meta["usage"]["prompt_tokens"] > 0 and meta["id"]
+    assert [item["index"] for item in meta["data"]] == [0, 1, 2]
+    assert meta["data"][-1]["end"] == len(r.content)
+    for item, vector in zip(meta["data"], ref, strict=True):
+        assert item["embed_dtype"] == dtype and item["endianness"] == "big" and item["shape"] == [len(vector)]
+        got = decode(r.content[item["start"] : item["end"]], dtype, "big")
+        np.testing.assert_array_equal(got, expected(vector, dtype))
+
+
+def test_bytes_only_is_the_body_alone(client):
+    ref = floats(client)
+    r = client.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "bytes_only"})
+    assert r.status_code == 200 and "metadata" not in r.headers
+    got = np.frombuffer(r.content, np.float32).reshape(len(TEXTS), -1)
+    np.testing.assert_array_equal(got, np.asarray(ref, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("embed_dtype", "float64", "'fp8_e5m2'"),
+        ("endianness", "middle", "'little'"),
+        ("encoding_format", "npy", "'bytes_only'"),
+        ("truncation_side", "middle", "'right'"),
+    ],
+)
+def test_a_value_outside_an_enumerated_field_is_a_400_naming_it(client, field, value, allowed):
+    r = client.post("/v1/embeddings", json={"input": "x", "encoding_format": "base64", field: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert repr(value) in error["message"] and allowed in error["message"]
+
+
+def test_pooling_runs_the_embed_task_and_refuses_the_others_as_vllm_does(client):
+    ref = floats(client, "/pooling")
+    r = client.post("/pooling", json={"input": TEXTS, "task": "embed"})
+    assert r.status_code == 200 and [d["data"] for d in r.json()["data"]] == ref
+    for task in ("classify", "token_embed", "token_classify", "nonsense"):
+        r = client.post("/pooling", json={"input": TEXTS, "task": task})
+        assert r.status_code == 400, task
+        assert r.json()["error"]["message"].startswith(f"Unsupported task: {task!r}")
+        assert r.json()["error"]["param"] == "task"
