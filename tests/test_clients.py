@@ -161,6 +161,24 @@ def test_openai_sdk(url, expected, assert_query):
     np.testing.assert_allclose([d.embedding for d in floats.data], doc_vectors, rtol=1e-6, atol=1e-7)
 
 
+def test_cohere_sdk_v2(server, expected, assert_query):
+    cohere = pytest.importorskip("cohere")
+
+    client = cohere.ClientV2(api_key=KEY, base_url=server.url)
+    docs = client.embed(model=NAME, texts=DOCS, input_type="search_document", embedding_types=["float", "int8",
+                        "ubinary"])  # fmt: skip
+    assert_same(docs.embeddings.float_, expected(DOCS))
+    for codes, vector in zip(docs.embeddings.int8, expected(DOCS), strict=True):  # the vector, scaled and rounded
+        assert max(map(abs, codes)) == 127 and cos(codes, vector) > 0.999
+    assert len(docs.embeddings.ubinary[0]) * 8 == len(docs.embeddings.float_[0])
+    assert docs.meta.billed_units.input_tokens > 0
+    query = client.embed(model=NAME, texts=[QUERY], input_type="search_query", embedding_types=["float"])
+    assert_query(query.embeddings.float_[0])  # search_query: the model's "query" prompt
+    short = client.embed(model=NAME, texts=DOCS, input_type="search_document", embedding_types=["float"],
+                         output_dimension=DIMS)  # fmt: skip
+    assert_same(short.embeddings.float_, expected(DOCS, dimensions=DIMS))
+
+
 # --------------------------------------------------------------------------- LiteLLM
 
 
