@@ -51,9 +51,10 @@ def ember(*argv: str) -> list[str]:
     return [sys.executable, "-m", "ember.cli.main", *argv]
 
 
-def run_leg(leg: str, model: str | None, src: Path, work: Path, port: int) -> dict[str, float]:
+def run_leg(leg: str, model: str | None, src: Path, work: Path, port: int, part_rows: int | None = None
+            ) -> dict[str, float]:  # fmt: skip
     """One leg, in processes of its own: {tokens, seconds, peak_rss_mib of the embedding process}."""
-    model_flag = ["--model", model] if model else []
+    model_flag = (["--model", model] if model else []) + (["--part-rows", str(part_rows)] if part_rows else [])
     out = work / f"out-{leg}"
     shutil.rmtree(out, ignore_errors=True)
     if leg == "embed":
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--legs", default=",".join(LEGS), help=f"comma list of {', '.join(LEGS)}")
     ap.add_argument("--rss-docs", type=int, default=0, help="also run `ember embed` on this many documents (RSS)")
+    ap.add_argument("--part-rows", type=int, default=None, help="passed to `ember embed` (its default: 10,000)")
+    ap.add_argument("--name", default=None, help="results file: indexing-NAME.json (default: the model's name)")
     ap.add_argument("--port", type=int, default=18141)
     ap.add_argument("--in-process", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -148,13 +151,14 @@ def main() -> None:
     for r in range(args.rounds):
         corpus(work / "corpus.parquet", args.docs, seed=1000 + r)
         order = legs if r % 2 == 0 else legs[::-1]
-        rounds.append({leg: run_leg(leg, args.model, work / "corpus.parquet", work, args.port) for leg in order})
+        src = work / "corpus.parquet"
+        rounds.append({leg: run_leg(leg, args.model, src, work, args.port, args.part_rows) for leg in order})
         rates = ", ".join(f"{k} {v['tokens'] / v['seconds']:.0f} tok/s" for k, v in rounds[-1].items())
         print(f"round {r + 1}: {rates}", file=sys.stderr)
     small = None
     if args.rss_docs:
         corpus(work / "small.parquet", args.rss_docs, seed=7)
-        small = run_leg("embed", args.model, work / "small.parquet", work, args.port)
+        small = run_leg("embed", args.model, work / "small.parquet", work, args.port, args.part_rows)
     report(args, legs, rounds, small)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -169,10 +173,11 @@ def report(args: argparse.Namespace, legs: list[str], rounds: list[dict], small:
         if a in legs and b in legs
     }
     result = {"cpu": cpu_name(), "model": args.model or "all-MiniLM-L6-v2 (bundled)", "docs": args.docs,
+              "part_rows": args.part_rows,
               "rounds": rounds, "tokens_per_second": rate, "ratios": ratios}  # fmt: skip
     if small is not None and "embed" in legs:
         result["peak_rss_mib"] = {args.rss_docs: small["peak_rss_mib"], args.docs: rounds[-1]["embed"]["peak_rss_mib"]}
-    name = Path(args.model).name if args.model else "minilm"
+    name = args.name or (Path(args.model).name if args.model else "minilm")
     (ROOT / "benchmarks/results" / f"indexing-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['cpu']}, {result['model']}, {args.docs} documents, {args.rounds} round(s)")
     for leg in legs:
