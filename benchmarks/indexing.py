@@ -44,7 +44,8 @@ def corpus(path: Path, docs: int, seed: int) -> None:
 
     rng = random.Random(seed)
     texts = make_texts(tuple(rng.randint(16, 1024) for _ in range(docs)), seed=seed)
-    pq.write_table(pa.table({"id": [f"doc-{seed}-{i}" for i in range(docs)], "text": texts}), path)
+    table = pa.table({"id": [f"doc-{seed}-{i}" for i in range(docs)], "text": texts})
+    pq.write_table(table, path, row_group_size=1000)  # as corpus files are written: not one 20,000-row group
 
 
 def ember(*argv: str) -> list[str]:

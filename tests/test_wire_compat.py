@@ -120,3 +120,11 @@ def test_pooling_runs_the_embed_task_and_refuses_the_others_as_vllm_does(client)
         assert r.status_code == 400, task
         assert r.json()["error"]["message"].startswith(f"Unsupported task: {task!r}")
         assert r.json()["error"]["param"] == "task"
+
+
+def test_truncation_beyond_the_context_gets_vllms_words(client):
+    r = client.post("/v1/embeddings", json={"input": "x", "truncate_prompt_tokens": 1000})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "truncate_prompt_tokens value is greater than max_model_len. Please request a smaller truncation size."
+    )

@@ -155,7 +155,7 @@ def truncation_length(k: int, max_model_len: int) -> int:
         raise InputError("truncate_prompt_tokens must be -1 or a positive number of tokens", "truncate_prompt_tokens")
     if k > max_model_len:
         raise InputError(
-            "truncate_prompt_tokens value is greater than max_model_len. Please, select a smaller truncation size.",
+            "truncate_prompt_tokens value is greater than max_model_len. Please request a smaller truncation size.",
             "truncate_prompt_tokens",
         )
     return k
