@@ -117,7 +117,7 @@ def _vectors(column: pa.ChunkedArray, dimension: int) -> np.ndarray:
     return flat.reshape(len(column), dimension)
 
 
-NO_CPU = {"num_cpus": 0}
+NO_CPU: dict[str, Any] = {"num_cpus": 0}
 """Reading, column selection and writing: cheap beside the model, and never waiting for a CPU an actor holds."""
 
 BLOCK_BYTES = (16 << 10, 256 << 10)
@@ -177,7 +177,7 @@ def _run(
         EmberEmbedder, fn_constructor_kwargs={"text_column": job.text_column, **embedder}, concurrency=(1, pool),
         num_cpus=per_actor, batch_size=batch_size, batch_format="pyarrow",
     )  # fmt: skip
-    out = out.select_columns(["id", "embedding", "tokens", *job.keep_columns], **NO_CPU)
+    out = out.select_columns(["id", "embedding", "tokens", *job.keep_columns], num_cpus=0)
     out.write_parquet(root, filesystem=fs, min_rows_per_file=job.part_rows, ray_remote_args=NO_CPU)
     files = _parquet_files(fs, root)
     written = pa_ds.dataset(files, filesystem=fs, format="parquet") if files else None
@@ -255,11 +255,11 @@ def _read(job: EmbedJob) -> ray.data.Dataset:
     else:
         options = pa_csv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
         source = ray.data.read_csv(paths, parse_options=options, num_cpus=0, file_extensions=None)
-    wanted = list(dict.fromkeys([job.id_column, job.text_column, *job.keep_columns]))
+    wanted = list(dict.fromkeys([job.id_column or "id", job.text_column, *job.keep_columns]))
     missing = [c for c in wanted if c not in source.schema().names]
     if missing:
         raise ConfigError(f"the input has no column(s) {missing}; it has {source.schema().names}")
-    source = source.select_columns(wanted, **NO_CPU)
-    if job.id_column != "id":
-        source = source.rename_columns({job.id_column: "id"}, **NO_CPU)
+    source = source.select_columns(wanted, num_cpus=0)
+    if job.id_column not in (None, "id"):
+        source = source.rename_columns({job.id_column: "id"}, num_cpus=0)
     return source
