@@ -16,3 +16,17 @@ def tokenizer():
 @pytest.fixture
 def runner(tokenizer):
     return FakeRunner(tokenizer.vocab_size)
+
+
+@pytest.fixture
+def client(runner, tokenizer):
+    """The HTTP app over the fake runner, serving it as model "m"."""
+    from fastapi.testclient import TestClient
+
+    from ember.api.app import create_app
+    from ember.config import EngineConfig, ServerConfig
+    from ember.engine.engine import AsyncEngine
+
+    engine = AsyncEngine(runner, tokenizer, EngineConfig(), None)
+    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",))), raise_server_exceptions=False) as c:
+        yield c

@@ -15,13 +15,6 @@ from ember.engine.engine import AsyncEngine
 TEXTS = ["hello world", "a somewhat longer sentence here", "x"]
 
 
-@pytest.fixture
-def client(runner, tokenizer):
-    engine = AsyncEngine(runner, tokenizer, EngineConfig(), None)
-    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",))), raise_server_exceptions=False) as c:
-        yield c
-
-
 def openai(client, texts=TEXTS, **extra):
     body = client.post("/v1/embeddings", json={"input": texts, **extra}).json()
     return np.array([d["embedding"] for d in body["data"]], np.float32)

@@ -9,23 +9,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
-
-from ember.api.app import create_app
-from ember.config import EngineConfig, ServerConfig
-from ember.engine.engine import AsyncEngine
 
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
 WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 TEXTS = ["hello world", "a somewhat longer sentence here", "x"]
-
-
-@pytest.fixture
-def client(runner, tokenizer):
-    engine = AsyncEngine(runner, tokenizer, EngineConfig(), None)
-    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",))), raise_server_exceptions=False) as c:
-        yield c
 
 
 def decode(raw: bytes, dtype: str, endianness: str) -> np.ndarray:
