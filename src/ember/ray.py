@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,7 @@ def run_on_ray(
     (`embedder`: their constructor's keywords) and write Parquet into `job.output`. The cluster: the one this
     process is connected to, else `ray.init(address)` (None: $RAY_ADDRESS or a new local one) with `env` set in
     its workers. Rows need ids (`job.id_column`): they are read in parallel, so row numbers mean nothing.
-    Default: actors of min(4, cluster CPUs) CPUs each, as many as the cluster's CPUs hold."""
+    Default: actors of min(4, the largest node's CPUs) CPUs each, as many as the nodes hold."""
     if not job.id_column:
         raise ConfigError("--ray needs --id-column: rows are read in parallel, so their numbers are not stable ids")
     if job.format != "parquet":
@@ -147,18 +148,19 @@ def run_on_ray(
     clash = sorted({job.id_column, "id", "embedding", "tokens"} & set(job.keep_columns))
     if clash:
         raise ConfigError(f"--keep-columns {clash}: the output has them already (id, embedding, tokens)")
-    fs, root = _output(job, check_only=True)
-    if ray.is_initialized():
-        return _run(job, embedder, fs, root, actors, cpus_per_actor, batch_size)
-    ray.init(address=address or None, runtime_env={"env_vars": env or {}})
+    output = _Output.check(job)
+    connect = not ray.is_initialized()
+    if connect:
+        ray.init(address=address or None, runtime_env={"env_vars": env or {}})
     try:
-        return _run(job, embedder, fs, root, actors, cpus_per_actor, batch_size)
+        return _run(job, embedder, output, actors, cpus_per_actor, batch_size)
     finally:
-        ray.shutdown()
+        if connect:
+            ray.shutdown()
 
 
 def _run(
-    job: EmbedJob, embedder: dict[str, Any], fs: pa_fs.FileSystem, root: str,
+    job: EmbedJob, embedder: dict[str, Any], output: _Output,
     actors: int | None, cpus_per_actor: int | None, batch_size: int,
 ) -> JobSummary:  # fmt: skip
     start = time.perf_counter()
@@ -170,7 +172,8 @@ def _run(
     finally:
         context.target_min_block_size, context.target_max_block_size = sizes
     per_actor, pool = _pool(cpus_per_actor, actors)
-    _output(job, check_only=False)  # the inputs are readable: now an earlier run's files may go
+    output.replace(job)  # the inputs are readable: now an earlier run's files may go
+    fs, root = output.fs, output.root
     rows_in = source.count()
     log.info("embedding %d rows on up to %d actor(s) of %d CPU(s)", rows_in, pool, per_actor)
     out = source.map_batches(
@@ -206,8 +209,12 @@ MARKER = "_ember_ray.json"
 
 
 def _parquet_files(fs: pa_fs.FileSystem, root: str) -> list[str]:
+    return [path for path in _files(fs, root) if path.endswith(".parquet")]
+
+
+def _files(fs: pa_fs.FileSystem, root: str) -> list[str]:
     return sorted(i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True))
-                  if i.is_file and i.path.endswith(".parquet"))  # fmt: skip
+                  if i.is_file)  # fmt: skip
 
 
 def _overlap(out: Path, source: Path) -> bool:
@@ -215,28 +222,38 @@ def _overlap(out: Path, source: Path) -> bool:
     return out == source or out in source.parents or (source.is_dir() and out.is_relative_to(source))
 
 
-def _output(job: EmbedJob, *, check_only: bool) -> tuple[pa_fs.FileSystem, str]:
-    """The output's filesystem and path. Refused: a directory holding other files, an input's directory, or an
-    earlier run's output without `overwrite` (then its Parquet files are deleted, and nothing else)."""
-    output = job.output
-    fs, root = pa_fs.FileSystem.from_uri(output if "://" in output else os.path.abspath(output))
-    if "://" not in output and any(_overlap(Path(root), Path(i).resolve()) for i in job.inputs if "://" not in i):
-        raise ConfigError(f"{output} overlaps the inputs: choose another output directory")
-    found = [i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True))
-             if i.is_file]  # fmt: skip
-    ours = _parquet_files(fs, root)
-    marked = any(path.endswith("/" + MARKER) for path in found)
-    if len(ours) + marked < len(found) or (ours and not marked):
-        raise ConfigError(f"{output} holds files ember did not write: choose an empty output directory")
-    if ours and not job.overwrite:
-        raise ConfigError(f"{output} holds the output of an earlier run: pass --overwrite to replace it")
-    if not check_only:
-        for path in ours:
-            fs.delete_file(path)
-        fs.create_dir(root, recursive=True)
-        with fs.open_output_stream(f"{root}/{MARKER}") as f:
+@dataclass
+class _Output:
+    """The output directory: its filesystem, path, and the Parquet files an earlier `--ray` run left there."""
+
+    fs: pa_fs.FileSystem
+    root: str
+    earlier: list[str]
+
+    @classmethod
+    def check(cls, job: EmbedJob) -> _Output:
+        """Refused: a directory overlapping the inputs, one holding files ember did not write, or an earlier
+        run's output without `overwrite`."""
+        output = job.output
+        fs, root = pa_fs.FileSystem.from_uri(output if "://" in output else os.path.abspath(output))
+        if "://" not in output and any(_overlap(Path(root), Path(i).resolve()) for i in job.inputs if "://" not in i):
+            raise ConfigError(f"{output} overlaps the inputs: choose another output directory")
+        found = _files(fs, root)
+        ours = [path for path in found if path.endswith(".parquet")]
+        marked = any(path.endswith("/" + MARKER) for path in found)
+        if len(ours) + marked < len(found) or (ours and not marked):
+            raise ConfigError(f"{output} holds files ember did not write: choose an empty output directory")
+        if ours and not job.overwrite:
+            raise ConfigError(f"{output} holds the output of an earlier run: pass --overwrite to replace it")
+        return cls(fs, root, ours)
+
+    def replace(self, job: EmbedJob) -> None:
+        """Delete the earlier run's Parquet files (nothing else) and mark the directory as this job's."""
+        for path in self.earlier:
+            self.fs.delete_file(path)
+        self.fs.create_dir(self.root, recursive=True)
+        with self.fs.open_output_stream(f"{self.root}/{MARKER}") as f:
             f.write(json.dumps({"inputs": list(job.inputs), "options": job.options}, default=str).encode())
-    return fs, root
 
 
 def _read(job: EmbedJob) -> ray.data.Dataset:

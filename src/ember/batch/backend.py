@@ -55,7 +55,7 @@ def local(embedder: Any, **params: Any) -> Embed:
         done = [_slice(embedder, texts[i : i + CHUNK], params) for i in range(0, len(texts), CHUNK)]
         if len(done) == 1:
             return done[0]
-        dim = max((d.vectors.shape[1] for d in done if d.vectors.ndim == 2), default=0)
+        dim = max(d.vectors.shape[1] for d in done)
         refused = {i * CHUNK + k: why for i, d in enumerate(done) for k, why in d.refused.items()}
         vectors = np.concatenate([d.vectors if d.vectors.shape[1] == dim else np.zeros((len(d.vectors), dim),
                                   np.float32) for d in done])  # fmt: skip

@@ -80,7 +80,7 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
     from ember.batch.backend import local
     from ember.batch.cache import model_fingerprint
 
-    params = {"dimensions": args.dimensions, "normalize": args.normalize, "prompt_name": args.prompt_name}
+    params = _params(args)
     if args.url:
         from ember.batch.remote import RemoteEmbedder
 
@@ -90,12 +90,20 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
         return remote, remote.model, remote.close
     from ember.offline import Embedder
 
-    embedder = Embedder(
-        args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
-        pooler_config=args.pooler_config, hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
-        auto_truncate=args.truncate, threads=threads, enforce_eager=args.enforce_eager, native=native_config(),
-    )  # fmt: skip
+    embedder = Embedder(args.model, threads=threads, native=native_config(), **_model_options(args))
     return local(embedder, **params), model_fingerprint(embedder.path), None
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    """What changes each vector, whatever embeds it."""
+    return {"dimensions": args.dimensions, "normalize": args.normalize, "prompt_name": args.prompt_name}
+
+
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`ember.Embedder`'s keywords for how the model is loaded and run (here, or in each Ray actor)."""
+    return {"dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len,
+            "pooler_config": args.pooler_config, "hf_overrides": parse_json_flag(args.hf_overrides, "--hf-overrides"),
+            "auto_truncate": args.truncate, "enforce_eager": args.enforce_eager}  # fmt: skip
 
 
 def _job(args: argparse.Namespace) -> Any:
@@ -135,11 +143,7 @@ def _on_ray(args: argparse.Namespace) -> int:
         from ember.ray import run_on_ray
     except ImportError:
         raise EmberError("--ray needs Ray: pip install 'ember[ray]'") from None
-    embedder = {"model": args.model, "dimensions": args.dimensions, "normalize": args.normalize,
-                "prompt_name": args.prompt_name, "dtype": args.dtype, "quantization": args.quantization,
-                "max_model_len": args.max_model_len, "pooler_config": args.pooler_config,
-                "hf_overrides": parse_json_flag(args.hf_overrides, "--hf-overrides"), "auto_truncate": args.truncate,
-                "enforce_eager": args.enforce_eager}  # fmt: skip
+    embedder = {"model": args.model, **_params(args), **_model_options(args)}
     if args.ray and _looks_like_input(args.ray):
         raise EmberError(f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or name the "
                          "address (--ray auto, --ray HOST:PORT, --ray ray://HOST:10001)")  # fmt: skip
@@ -158,9 +162,11 @@ def _on_ray(args: argparse.Namespace) -> int:
 def _looks_like_input(value: str) -> bool:
     """A path, glob or data URI rather than a Ray address (auto, HOST:PORT, ray://...)."""
     import glob
+    from pathlib import Path
 
-    suffix = value.rsplit("/", 1)[-1].rpartition(".")[2].lower()
-    data = suffix in ("jsonl", "json", "ndjson", "csv", "tsv", "parquet", "txt")
+    from ember.batch.files import file_format
+
+    data = file_format(Path(value)) != "text"
     return value.startswith(("s3:", "gs:", "file:", "/", ".")) or data or bool(glob.glob(value))
 
 
