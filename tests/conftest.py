@@ -8,6 +8,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeRunner, minilm_tokenizer
 
 
+def pytest_configure(config):
+    """EMBER_MAX_ISA=avx512_bf16|avx512|avx2 runs the suite as a CPU of that tier would (as `ember serve` does):
+    an AMX machine then checks the AVX-512 BF16 and AVX2 paths too."""
+    import os
+
+    from ember.cli.runtime import cap_isa
+
+    cap_isa(os.environ.get("EMBER_MAX_ISA") or None)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return minilm_tokenizer()

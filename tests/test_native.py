@@ -20,7 +20,9 @@ def kernel() -> ctypes.CDLL:
     native.build_kernels(NativeConfig())
     lib = native.attention_kernel()
     if lib is None:
-        pytest.skip("the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AMX bf16)")
+        pytest.skip(
+            "the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AVX-512 BF16)"
+        )
     return lib
 
 

@@ -215,11 +215,11 @@ class ServerConfig:
 class NativeConfig:
     """ember's native C++ kernels (ember.ops.native): which may be built and loaded, and where they are cached.
 
-    Each runs only where the CPU has what it needs; these switches only turn them off (EMBER_NATIVE_ATTENTION,
-    EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE = 0, read by the CLI)."""
+    Each runs only where the CPU (as capped by EMBER_MAX_ISA) has what it needs; these switches only turn them
+    off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE = 0, read by the CLI)."""
 
     attention: bool = True
-    """Flash attention over packed sequences, bf16 (AMX)."""
+    """Flash attention over packed sequences, bf16 (AMX, else AVX-512 BF16)."""
     int8_gemm: bool = True
     """The int8 layers' matrix product with SwiGLU in its epilogue (AMX)."""
     elementwise: bool = True

@@ -1,4 +1,8 @@
-"""What this machine can do: the CPU's ISA flags and a C++ compiler (no torch here)."""
+"""What this machine can do: the CPU's ISA flags, its tier, and a C++ compiler (no torch here).
+
+The flags can be capped to a lower tier for the whole process (`limit_isa`, from EMBER_MAX_ISA at the CLI): an
+AMX Xeon then chooses, builds and tests what an AMD EPYC (avx512_bf16) or an AVX2-only Xeon (avx2) would.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,47 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["auto_dtype", "cpu_flags", "find_compiler", "has_fast_bf16"]
+__all__ = [
+    "ISA_TIERS",
+    "auto_dtype",
+    "cpu_flags",
+    "find_compiler",
+    "has_fast_bf16",
+    "isa_tier",
+    "limit_isa",
+    "native_cpu_flags",
+    "onednn_isa",
+]
+
+# x86-64 tiers, best first: what each adds over the next is what a cap to the next removes.
+ISA_TIERS = ("amx", "avx512_bf16", "avx512", "avx2")
+_ABOVE = {  # flags a CPU capped to the tier does not show
+    "amx": frozenset(),
+    "avx512_bf16": frozenset({"amx_bf16", "amx_tile", "amx_int8", "amx_fp16", "amx_complex"}),
+    "avx512": frozenset({"avx512_bf16", "avx512_fp16"}),
+    "avx2": frozenset(),  # every avx512* flag, by prefix
+}
+_ONEDNN = {"amx": "AVX512_CORE_AMX", "avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "avx2": "AVX2"}
+_max_isa: str | None = None
+
+
+def limit_isa(tier: str | None) -> None:
+    """Caps what cpu_flags() reports to `tier` (one of ISA_TIERS) for this process; None lifts the cap. Call
+    before anything reads the flags (the CLI does, from EMBER_MAX_ISA)."""
+    global _max_isa
+    if tier is not None and tier not in ISA_TIERS:
+        raise ValueError(f"unknown ISA tier {tier!r}; expected one of {', '.join(ISA_TIERS)}")
+    _max_isa = tier
+
+
+def onednn_isa(tier: str) -> str:
+    """oneDNN's ONEDNN_MAX_CPU_ISA value for a tier (torch's GEMMs then stay inside it too)."""
+    return _ONEDNN[tier]
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The ISA flags of the first CPU listed in /proc/cpuinfo (empty when unreadable)."""
+def native_cpu_flags() -> frozenset[str]:
+    """The ISA flags of the first CPU listed in /proc/cpuinfo, uncapped (empty when unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -21,6 +60,36 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith(("flags", "Features")):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's ISA flags, less those above the tier `limit_isa` capped the process to."""
+    flags = native_cpu_flags()
+    if _max_isa is None:
+        return flags
+    drop: set[str] = set()
+    for tier in ISA_TIERS[: ISA_TIERS.index(_max_isa) + 1]:
+        drop |= _ABOVE[tier]
+    if _max_isa == "avx2":
+        drop |= {f for f in flags if f.startswith(("avx512", "amx"))}
+    return flags - drop
+
+
+def isa_tier(flags: frozenset[str] | None = None) -> str:
+    """The best tier these flags (default: this CPU's, capped) reach: one of ISA_TIERS, or "aarch64" (NEON,
+    with "+sve", "+bf16", "+i8mm" where present), or "baseline" (x86-64 without AVX2)."""
+    f = cpu_flags() if flags is None else flags
+    if {"amx_bf16", "amx_tile"} <= f:
+        return "amx"
+    if {"avx512_bf16", "avx512f", "avx512bw"} <= f:
+        return "avx512_bf16"
+    if {"avx512f", "avx512bw"} <= f:
+        return "avx512"
+    if {"avx2", "fma"} <= f:
+        return "avx2"
+    if "asimd" in f:  # aarch64's /proc/cpuinfo "Features"
+        return "aarch64" + "".join(f"+{x}" for x in ("sve", "bf16", "i8mm") if x in f)
+    return "baseline"
 
 
 def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ember.cli.flags import parse_json_flag, parse_size
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
 from ember.errors import EmberError
-from ember.hardware import auto_dtype, cpu_flags, has_fast_bf16
+from ember.hardware import auto_dtype, cpu_flags, has_fast_bf16, isa_tier, native_cpu_flags
 from ember.resources import cpu_budget, memory_budget
 
 __all__ = ["add_parser", "run"]
@@ -65,7 +65,16 @@ def _machine() -> dict[str, Any]:
         "torch.compile in the background (a C++ compiler found)" if can_compile() else ("eager (no C++ compiler)")
     )
     return {
-        "cpu": {"model": _cpu_model(), "isa": {f: f in flags for f in _ISA}},
+        "cpu": {
+            "model": _cpu_model(),
+            "isa": {f: f in flags for f in _ISA},
+            "tier": isa_tier(flags)
+            + (
+                ""
+                if flags == native_cpu_flags()
+                else f" (capped by EMBER_MAX_ISA; the CPU reaches {isa_tier(native_cpu_flags())})"
+            ),
+        },
         "limits": {
             "affinity_cpus": cpu.affinity,
             "cpu_quota": cpu.quota,

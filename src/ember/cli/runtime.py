@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ember.config import ONEDNN_KERNEL_CACHE, NativeConfig
 from ember.errors import ConfigError
+from ember.hardware import ISA_TIERS, isa_tier, limit_isa, native_cpu_flags, onednn_isa
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
-__all__ = ["native_config", "parse_bytes", "prepare_process"]
+__all__ = ["cap_isa", "native_config", "parse_bytes", "prepare_process"]
 
 
 log = logging.getLogger("ember.cli")
@@ -70,7 +72,8 @@ def maybe_reexec_with_allocator(argv: list[str], program: list[str] | None = Non
 
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
-    """Decide and apply the thread count and binding; call before importing torch."""
+    """Decide and apply the instruction-set cap, the thread count and binding; call before importing torch."""
+    cap_isa(os.environ.get("EMBER_MAX_ISA", "").strip().lower() or None)
     label = "--threads" if threads is not None else "EMBER_THREADS"
     requested = threads if threads is not None else _int_env("EMBER_THREADS")
     bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or None
@@ -97,6 +100,28 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
         os.environ.get(_REEXEC_MARK, "system malloc"),
     )  # fmt: skip
     return plan
+
+
+def cap_isa(tier: str | None) -> None:
+    """EMBER_MAX_ISA=avx512_bf16|avx512|avx2: run as a CPU of that tier would: ember's kernel choice and builds
+    (ember.hardware.limit_isa), and torch's (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, unless already set)."""
+    if tier is None:
+        return
+    if tier not in ISA_TIERS:
+        raise ConfigError(f"EMBER_MAX_ISA={tier!r} is not a tier; expected one of {', '.join(ISA_TIERS)}")
+    native = isa_tier(native_cpu_flags())
+    if native in ISA_TIERS and ISA_TIERS.index(tier) < ISA_TIERS.index(native):
+        raise ConfigError(f"EMBER_MAX_ISA={tier}: this CPU only reaches {native}; a cap can only lower the tier")
+    limit_isa(tier)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn_isa(tier))
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2" if tier == "avx2" else "avx512")
+    # inductor's cache does not tell kernels built for AVX2 from AVX-512 ones: sharing its default directory
+    # with uncapped runs loaded the other tier's kernels (NaN outputs, heap corruption). One per tier.
+    user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "") or str(os.getuid()))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{tier}")
+    )
+    log.info("instruction set capped to %s (EMBER_MAX_ISA); oneDNN: %s", tier, os.environ["ONEDNN_MAX_CPU_ISA"])
 
 
 def native_config() -> NativeConfig:

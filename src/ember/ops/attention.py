@@ -1,7 +1,7 @@
 """Attention over packed variable-length sequences: ember's native kernel where built, else SDPA.
 
-In bf16 on a CPU with AMX, once ember.ops.native has built it, every sequence of a batch goes through
-one call of the native flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place
+In bf16 on a CPU with AMX or AVX-512 BF16, once ember.ops.native has built it, every sequence of a batch goes
+through one call of the native flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place
 and writes the packed output; its blocks (query rows x keys) are 32 x 32 for batches of short sequences
 (queries), 32 x 64 and 32 x 128 for longer ones, 64 x 256 from ~6,000 tokens. The rest of this module is
 the SDPA path, used everywhere else:

@@ -1,6 +1,6 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
-- attention.cpp: flash attention over packed sequences, bf16 (ember.ops.attention);
+- attention.cpp: flash attention over packed sequences, bf16, on AMX or AVX-512 BF16 (ember.ops.attention);
 - int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
@@ -8,13 +8,13 @@ Loading a library also registers its torch operators (ember::native_attention, e
 ember::silu_mul, ember::qk_norm_rope; their schemas are defined in Python), which compiled regions call
 through the dispatcher without Python.
 
-Each is compiled with `-march=native` against the installed torch's headers and libraries, so it uses this
-CPU's AMX and AVX-512 and torch's own OpenMP pool; nothing is compiled at `pip install`. The builds (about 20 s
-for the three) run on the engine's kernel thread beside serving; until a kernel is loaded, and wherever it
-cannot be built or run (no compiler, a CPU without what it needs, another OS, switched off in NativeConfig),
-its callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels). Libraries are cached
-in NativeConfig.cache_dir, keyed by the sources, the compiler's version, the exact compile command, torch's
-version and C++ ABI, and the CPU's flags; each is stored with its SHA-256, and a library whose bytes do not
+Each is compiled with `-march=native` (less what EMBER_MAX_ISA caps) against the installed torch's headers and
+libraries, so it uses this CPU's AMX or AVX-512 BF16 and torch's own OpenMP pool; nothing is compiled at `pip
+install`. The builds (about 20 s for the three) run on the engine's kernel thread beside serving; until a kernel is
+loaded, and wherever it cannot be built or run (no compiler, a CPU without what it needs, another OS, switched off
+in NativeConfig), its callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels). Libraries
+are cached in NativeConfig.cache_dir, keyed by the sources, the compiler's version, the exact compile command,
+torch's version and C++ ABI, and the CPU's flags; each is stored with its SHA-256, and a library whose bytes do not
 match (truncated, corrupt, or not ember's) is rebuilt, never loaded.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ember.config import NativeConfig
-from ember.hardware import cpu_flags, find_compiler
+from ember.hardware import cpu_flags, find_compiler, native_cpu_flags
 from ember.types import KernelStatus
 
 __all__ = ["attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel"]
@@ -53,7 +53,7 @@ class _Kernel:
 
 
 _KERNELS = (
-    _Kernel("attention", frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}), "torch's SDPA"),
+    _Kernel("attention", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch's SDPA"),
     _Kernel("int8_gemm", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
 )
@@ -105,7 +105,8 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
         return None, f"needs Linux on x86-64 ({platform.system()} {platform.machine()} here); {instead}"
     missing = kernel.needs - cpu_flags()
     if missing:
-        return None, f"this CPU lacks {' '.join(sorted(missing))}; {instead}"
+        capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != native_cpu_flags() else ""
+        return None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
     compiler = find_compiler(config.compiler)
     if compiler is None:
         return None, f"no C++ compiler (g++) to build it; {instead}"
@@ -118,7 +119,30 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
         return None, f"build failed ({exc}); {instead}"
     if not usable:
         return None, f"the kernel may not run here (the OS refused AMX tile state); {instead}"
-    return lib, f"{how} {path}"
+    return lib, f"{_isa(lib, kernel.name)}{how} {path}"
+
+
+def _isa(lib: ctypes.CDLL, name: str) -> str:
+    """'AMX, ' or 'AVX-512 BF16, ': the instruction set a library that has more than one was built for."""
+    isa = getattr(lib, f"ember_{name}_isa", None)
+    if isa is None:
+        return ""
+    isa.restype = ctypes.c_char_p
+    return {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, "}.get(isa(), f"{isa().decode()}, ")
+
+
+def _march() -> list[str]:
+    """-march=native, less what a cap on the ISA (ember.hardware.limit_isa) hides from cpu_flags(): an AMX CPU
+    capped to avx512_bf16 builds what an AMD EPYC runs."""
+    hidden = native_cpu_flags() - cpu_flags()
+    off = []
+    if "amx_tile" in hidden:
+        off += ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+    if "avx512_bf16" in hidden:
+        off.append("-mno-avx512bf16")
+    if "avx512f" in hidden:
+        off.append("-mno-avx512f")
+    return ["-march=native", *off]
 
 
 def _cache_dir(config: NativeConfig) -> Path:
@@ -131,7 +155,7 @@ def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
     lib = torch_dir / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+        compiler, "-O3", *_march(), "-std=c++17", "-shared", "-fPIC", "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(source), "-o", str(out),
         f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
     ]  # fmt: skip

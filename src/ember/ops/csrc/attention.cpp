@@ -1,9 +1,11 @@
-// Flash attention over packed variable-length sequences, bf16 in and out, for CPUs with AMX.
+// Flash attention over packed variable-length sequences, bf16 in and out, for CPUs with AVX-512 BF16.
 //
 // Built at run time by ember.ops.native (g++ -march=native, against the installed torch's headers),
 // loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. The two matrix
-// products per block are AMX tile loops written here (oneDNN's brgemm micro-kernels measured 2-3x
-// slower at these small shapes: 64 x 64 x 128); the softmax between them is AVX-512.
+// products per block (`tile_gemm`, the one part that differs by instruction set) are AMX tile loops where
+// the compiler targets AMX, else AVX-512 BF16 register blocks (`vdpbf16ps`, AMD Zen 4/5, Cooper Lake, or
+// an AMX CPU built with AMX off); oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops at
+// these small shapes (64 x 64 x 128). The softmax between them is AVX-512 everywhere.
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
@@ -29,8 +31,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "amx.h"
 #include "vec.h"
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define EMBER_AMX 1
+#include "amx.h"
+#else
+#define EMBER_AMX 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -42,12 +49,11 @@
 #include <new>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_BF16__)
-#error "needs AVX-512 BF16 and AMX"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
+#error "needs AVX-512 BF16"
 #endif
 
-using ember_amx::bf16;
-using ember_amx::load_tile_config;
+using ember_vec::bf16;
 
 namespace {
 
@@ -70,7 +76,9 @@ struct RowTiles {
 };
 
 // C (M x N fp32, row stride ldc) = or += A (M x K bf16, its rows by RowTiles) x B, where B is K x N in the
-// VNNI layout [K/2][ldb][2]. M, N, K are multiples of 32: 2 x 2 result tiles per step.
+// VNNI layout [K/2][ldb][2]. M, N, K are multiples of 32.
+#if EMBER_AMX
+// AMX: 2 x 2 result tiles per step.
 template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B, int64_t ldb, float* C,
                int64_t ldc) {
@@ -108,6 +116,48 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B
     }
   }
 }
+
+#else
+// AVX-512 BF16: 8 rows x 32 columns of C in 16 registers. Each step takes a pair of A's columns (one 32-bit
+// broadcast per row) and the matching pair of B's rows (two 16-column vectors): 16 vdpbf16ps for 2 loads
+// and 8 broadcasts. Column strips outside, rows inside: a strip of B (K/2 x 32 pairs) stays in L1 while
+// every row of A passes it.
+template <bool Accumulate>
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B, int64_t ldb, float* C,
+               int64_t ldc) {
+  constexpr int R = 8;  // divides 16: a row block lies inside one of A's 16-row tiles
+  for (int64_t j = 0; j < N; j += 32) {
+    for (int64_t i = 0; i < M; i += R) {
+      const int64_t lda = A.stride(i / 16);
+      const bf16* a = A.start(i / 16) + (i % 16) * lda;
+      float* c = C + i * ldc + j;
+      __m512 acc[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = Accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+        acc[r][1] = Accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+      }
+      const bf16* b = B + j * 2;
+      for (int64_t k = 0; k < K; k += 2, b += ldb * 2) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, a + r * lda + k, sizeof(pair));
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+      }
+    }
+  }
+}
+#endif
 
 // Scores from `keep` on (the causal mask, and keys past the sequence's end) count as -inf: masked in
 // the loads, not written into the row (scalar stores there stalled the vector loads behind them).
@@ -390,10 +440,14 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
 
     Scratch& w = t_scratch;
     w.resize(call.group * BM, BN, d);
-    load_tile_config();
+#if EMBER_AMX
+    ember_amx::load_tile_config();
+#endif
     for_each_claimed(next, nitems, std::max<int64_t>(1, nitems / (8 * threads)),
                      [&](int64_t i) { attend_item<BM, BN>(call, items[i], w); });
+#if EMBER_AMX
     _tile_release();
+#endif
   });
 }
 
@@ -401,10 +455,17 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
 
 extern "C" {
 
-// 1 when the kernel can run here: Linux grants this process the AMX tile state.
+// 1 when the kernel can run here: built for AVX-512 BF16, or for AMX and Linux grants this process the tile state.
 int ember_attention_usable() {
+#if EMBER_AMX
   return ember_amx::tiles_usable();
+#else
+  return 1;
+#endif
 }
+
+// The instruction set its matrix products were built for: "amx" or "avx512_bf16".
+const char* ember_attention_isa() { return EMBER_AMX ? "amx" : "avx512_bf16"; }
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for

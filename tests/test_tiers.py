@@ -1,0 +1,114 @@
+"""The instruction-set tiers: how a CPU's flags map to a tier, how EMBER_MAX_ISA caps it, and that the lower tiers
+(AVX-512 BF16 without AMX, AVX2) compute what the reference computes when run on a higher CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember import hardware
+from ember.cli import runtime
+from ember.errors import ConfigError
+from ember.ops import native
+
+ROOT = Path(__file__).resolve().parent.parent
+AMX = frozenset(
+    {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+)
+
+
+@pytest.fixture
+def amx_cpu(monkeypatch: pytest.MonkeyPatch):
+    """This process as if on an AMX Xeon, with no cap; the cap restored afterwards."""
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX)
+    monkeypatch.setattr(native, "native_cpu_flags", lambda: AMX)
+    monkeypatch.setattr(runtime, "native_cpu_flags", lambda: AMX)
+    for var in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(var, "")  # so that what cap_isa sets is undone afterwards
+        monkeypatch.delenv(var)
+    before = hardware._max_isa
+    hardware.limit_isa(None)
+    yield
+    hardware.limit_isa(before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "tier"),
+    [
+        (AMX, "amx"),
+        (AMX - {"amx_tile", "amx_bf16", "amx_int8"}, "avx512_bf16"),  # AMD EPYC Zen 4/5
+        (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}), "avx512"),  # Cascade Lake
+        (frozenset({"avx2", "fma", "avx_vnni"}), "avx2"),
+        (frozenset({"fp", "asimd", "sve", "bf16", "i8mm"}), "aarch64+sve+bf16+i8mm"),  # Graviton 3
+        (frozenset({"fp", "asimd"}), "aarch64"),
+        (frozenset({"sse4_2"}), "baseline"),
+    ],
+)
+def test_the_tier_of_a_cpu(flags: frozenset[str], tier: str) -> None:
+    assert hardware.isa_tier(flags) == tier
+
+
+def test_a_cap_hides_the_flags_above_its_tier(amx_cpu: None) -> None:
+    assert hardware.isa_tier() == "amx" and native._march() == ["-march=native"]
+    runtime.cap_isa("avx512_bf16")
+    assert hardware.isa_tier() == "avx512_bf16" and not {"amx_tile", "amx_bf16"} & hardware.cpu_flags()
+    assert hardware.auto_dtype() == "bfloat16"
+    assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16" and os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_avx512_bf16")  # never the uncapped runs' kernels
+    hardware.limit_isa("avx2")
+    assert hardware.isa_tier() == "avx2" and hardware.auto_dtype() == "float32"
+    assert not any(f.startswith(("avx512", "amx")) for f in hardware.cpu_flags())
+    assert native._march()[-1] == "-mno-avx512f"
+
+
+def test_a_cap_names_a_known_lower_tier(amx_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="avx512_bf16, avx512, avx2"):
+        runtime.cap_isa("sse")
+    monkeypatch.setattr(runtime, "native_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(ConfigError, match="only reaches avx2"):
+        runtime.cap_isa("avx512_bf16")
+    assert hardware.cpu_flags() == AMX  # nothing was capped
+
+
+def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    hardware.limit_isa("avx2")
+    monkeypatch.setattr(native, "_tried", {})
+    monkeypatch.setattr(native, "_loaded", {})
+    report = {k.name: k for k in native.build_kernels(native.NativeConfig())}
+    assert not any(k.active for k in report.values())
+    assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["attention"].detail
+
+
+def _suite(tier: str, *tests: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, EMBER_MAX_ISA=tier, EMBER_CACHE_DIR=str(tmp_path / "cache"))
+    env["ONEDNN_MAX_CPU_ISA"] = hardware.onednn_isa(tier)  # before torch starts: set by the parent
+    env["ATEN_CPU_CAPABILITY"] = "avx2" if tier == "avx2" else "avx512"
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # not the uncapped runs' kernels
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) != "amx", reason="the CPU is not above avx512_bf16")
+def test_the_avx512_bf16_attention_kernel_on_an_amx_cpu(tmp_path: Path) -> None:
+    """Where the CPU has AMX, the attention kernel's AVX-512 BF16 build (what an AMD EPYC runs) is checked
+    against float32 attention too. Elsewhere the plain run of tests/test_native.py checks it."""
+    done = _suite("avx512_bf16", "tests/test_native.py", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    assert any(p.name.startswith("ember_attention-") for p in (tmp_path / "cache").iterdir())
+
+
+@pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),
+                    reason="the CPU is AVX2 already: the plain run checks this tier")  # fmt: skip
+def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
+    """As an AVX2-only Xeon: no native kernels, float32 by default, torch's AVX2 kernels; the models still
+    match transformers / sentence-transformers and a text alone equals it inside a batch."""
+    done = _suite("avx2", "tests/test_models.py", "tests/test_minilm_real.py", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # no kernel was built
