@@ -7,16 +7,24 @@ servers measured one after the other. Alternating the order each round and takin
 per-round ratios cancels that drift. Only one server works at a time; the idle one waits.
 
     python benchmarks/interleaved.py --peer-url http://127.0.0.1:8100 --peer-model NAME --peer-cmd "CMD" [--dtype int8]
+
+--tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
+oneDNN and ATen capped (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), so an AMX Xeon measures what an AMD EPYC or
+an AVX2-only Xeon would. The compute limit (benchmarks/roofline.py: the GEMM rate over the model's FLOPs per
+token) is probed under the same cap before the servers start, and each workload's ember rate is given as a
+fraction of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +65,15 @@ def cpu_description() -> str:
     return f"{name} ({os.cpu_count()} CPUs; {' '.join(isa)})"
 
 
+def _compute_limit(dtype: str) -> dict[str, float]:
+    """benchmarks/roofline.py on the model, in its own process (under the tier's cap when one is set)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/roofline.py"), str(QWEN_DIR), dtype],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer-url", required=True)
@@ -66,7 +83,16 @@ def main() -> None:
     ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/interleaved-DTYPE.json)")
+    ap.add_argument("--tier", default=None, help="cap both servers to an ISA tier: avx512_bf16, avx512, avx2")
     args = ap.parse_args()
+    if args.tier:
+        from ember.hardware import onednn_isa
+
+        os.environ["EMBER_MAX_ISA"] = args.tier  # inherited by both servers and the probe
+        os.environ["ONEDNN_MAX_CPU_ISA"] = onednn_isa(args.tier)
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2" if args.tier == "avx2" else "avx512"
+    limit = _compute_limit(args.dtype)
+    print(f"compute limit: {limit['tokens_per_s']:.0f} tok/s ({limit['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
     extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
     ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
@@ -100,6 +126,7 @@ def main() -> None:
         ratios = [a.tokens_per_s / b.tokens_per_s for a, b in zip(e, p, strict=True)]
         row = {
             "key": key,
+            "ember_fraction_of_limit": statistics.median(x.tokens_per_s for x in e) / limit["tokens_per_s"],
             "ember_tokens_per_s": [x.tokens_per_s for x in e],
             "peer_tokens_per_s": [x.tokens_per_s for x in p],
             "ember_p50_ms": [x.p50_ms for x in e],
@@ -112,13 +139,16 @@ def main() -> None:
         print(
             f"{WORKLOADS[key].name:55s} {statistics.median(row['ember_tokens_per_s']):11.0f} "
             f"{statistics.median(row['peer_tokens_per_s']):10.0f} {statistics.median(ratios):25.2f}  "
-            f"p50 {statistics.median(row['ember_p50_ms']):.0f} vs {statistics.median(row['peer_p50_ms']):.0f} ms"
+            f"p50 {statistics.median(row['ember_p50_ms']):.0f} vs {statistics.median(row['peer_p50_ms']):.0f} ms, "
+            f"ember at {row['ember_fraction_of_limit']:.2f} of the limit"
         )
     out = Path(args.out) if args.out else ROOT / f"benchmarks/results/interleaved-{args.dtype}.json"
     out.write_text(
         json.dumps(
             {
                 "cpu": cpu_description(),
+                "tier": args.tier or "uncapped",
+                "compute_limit": limit,
                 "ember": {
                     "dtype": args.dtype,
                     "ready_s": ours_ready,
