@@ -1,10 +1,12 @@
-"""ember's native int8 matrix product against oneDNN's, on a whole forward's GEMMs, turn about.
+"""ember's native int8 matrix product against torch's, on a whole forward's GEMMs, turn about.
 
 The 0.6B model's four int8 GEMMs per layer (q/k/v 1024 -> 4096, o 2048 -> 1024, gate/up 1024 -> 6144,
 down 3072 -> 1024), 28 layers of distinct random weights (440 MB, so they stream from memory as in a
 forward, not from cache), run at each token count with `int8_gemm` (src/ember/ops/csrc/int8_gemm.cpp)
-and with `onednn::qlinear_pointwise` (what int8 layers use where the native kernel cannot run),
-alternating; prints the medians, the GOPS and the median of the paired ratios. Needs a CPU with AMX.
+and with what int8 layers use where the native kernel cannot run (`onednn::qlinear_pointwise` on CPUs with AMX
+int8, else `torch._int_mm` and the weights' scales, as Int8Linear applies them), alternating; prints the medians,
+the GOPS and the median of the paired ratios. The native kernel runs on AMX or AVX-512 VNNI, whichever it was
+built for here.
 
     python benchmarks/int8_gemm.py
     python benchmarks/int8_gemm.py --tokens 20,168,512,2048 --rounds 9
@@ -38,6 +40,8 @@ def forward(
         x = xs[tiles.shape[1] * 64]  # by the layer's inputs
         if native:
             int8_gemm(x, tiles, scale, x_scale, None, torch.bfloat16, False)
+        elif packed.dim() == 2 and packed.dtype == torch.int8:  # (K, N) for torch._int_mm
+            (torch._int_mm(x, packed).float() * scale).to(torch.bfloat16)
         else:
             int8_mm(x, packed, scale, torch.bfloat16)
 
@@ -48,16 +52,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    if not any(k.name == "int8_gemm" and k.active for k in build_kernels(NativeConfig())) or not onednn_int8():
-        sys.exit("needs ember's native int8 kernel (AMX int8, g++) and oneDNN's int8 matmul")
+    if not any(k.name == "int8_gemm" and k.active for k in build_kernels(NativeConfig())):
+        sys.exit("needs ember's native int8 kernel (AMX int8 or AVX-512 VNNI, g++)")
+    peer = "oneDNN" if onednn_int8() else "_int_mm"
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(args.layers):
         for k, n in SHAPES:
             w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
             scale = torch.rand(n, generator=g) / 100
-            layers.append((pack_tiles(w), torch.ops.onednn.qlinear_prepack(w, None), scale))
-    print(f"{'tokens':>6s} {'native ms':>10s} {'GOPS':>6s} {'oneDNN ms':>10s} {'GOPS':>6s} {'oneDNN / native':>16s}")
+            other = torch.ops.onednn.qlinear_prepack(w, None) if peer == "oneDNN" else w.t().contiguous()
+            layers.append((pack_tiles(w), other, scale))
+    print(f"{'tokens':>6s} {'native ms':>10s} {'GOPS':>6s} {peer + ' ms':>10s} {'GOPS':>6s} {peer + ' / native':>16s}")
     for t in map(int, args.tokens.split(",")):
         xs = {k: torch.randint(-127, 128, (t, k), dtype=torch.int8, generator=g) for k, _ in SHAPES}
         x_scale = torch.rand(t, 1, generator=g)

@@ -29,7 +29,7 @@ def _native_int8() -> bool:
 @pytest.fixture
 def native_int8() -> None:
     if not _native_int8():
-        pytest.skip("ember's native int8 kernel cannot run here (it needs g++, x86-64 Linux, AMX int8)")
+        pytest.skip("ember's native int8 kernel cannot run here (it needs g++, x86-64 Linux, AMX int8 or AVX-512 VNNI)")
 
 
 def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -89,18 +89,20 @@ def _suite(tier: str, *tests: str, tmp_path: Path) -> subprocess.CompletedProces
     env["ONEDNN_MAX_CPU_ISA"] = hardware.onednn_isa(tier)  # before torch starts: set by the parent
     env["ATEN_CPU_CAPABILITY"] = "avx2" if tier == "avx2" else "avx512"
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # not the uncapped runs' kernels
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *tests]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) != "amx", reason="the CPU is not above avx512_bf16")
-def test_the_avx512_bf16_attention_kernel_on_an_amx_cpu(tmp_path: Path) -> None:
-    """Where the CPU has AMX, the attention kernel's AVX-512 BF16 build (what an AMD EPYC runs) is checked
-    against float32 attention too. Elsewhere the plain run of tests/test_native.py checks it."""
-    done = _suite("avx512_bf16", "tests/test_native.py", tmp_path=tmp_path)
+def test_the_avx512_kernels_on_an_amx_cpu(tmp_path: Path) -> None:
+    """Where the CPU has AMX, the kernels' AVX-512 builds (attention on BF16, int8 on VNNI: what an AMD EPYC runs)
+    are checked against float32 attention and exact integer arithmetic too. Elsewhere the plain run of these
+    tests checks them."""
+    done = _suite("avx512_bf16", "tests/test_native.py", "tests/test_quant.py", tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
-    assert any(p.name.startswith("ember_attention-") for p in (tmp_path / "cache").iterdir())
+    assert " passed" in done.stdout and "cannot run" not in done.stdout  # no kernel test skipped
+    built = {p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()}
+    assert {"ember_attention", "ember_int8_gemm"} <= built
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),

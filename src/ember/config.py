@@ -221,7 +221,7 @@ class NativeConfig:
     attention: bool = True
     """Flash attention over packed sequences, bf16 (AMX, else AVX-512 BF16)."""
     int8_gemm: bool = True
-    """The int8 layers' matrix product with SwiGLU in its epilogue (AMX)."""
+    """The int8 layers' matrix product with SwiGLU in its epilogue (AMX, else AVX-512 VNNI)."""
     elementwise: bool = True
     """SwiGLU and Qwen3's q/k norm + rotary, bf16 (AVX-512 BF16)."""
     cache_dir: str | None = None

@@ -1,7 +1,7 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
 - attention.cpp: flash attention over packed sequences, bf16, on AMX or AVX-512 BF16 (ember.ops.attention);
-- int8_gemm.cpp: the int8 linear layers' matrix product (ember.ops.quant);
+- int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
@@ -54,7 +54,7 @@ class _Kernel:
 
 _KERNELS = (
     _Kernel("attention", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch's SDPA"),
-    _Kernel("int8_gemm", frozenset({"amx_int8", "amx_tile", "avx512_bf16", "avx512f"}), "torch's int8 matmul"),
+    _Kernel("int8_gemm", frozenset({"avx512_vnni", "avx512_bf16", "avx512bw", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
 )
 
@@ -128,7 +128,9 @@ def _isa(lib: ctypes.CDLL, name: str) -> str:
     if isa is None:
         return ""
     isa.restype = ctypes.c_char_p
-    return {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, "}.get(isa(), f"{isa().decode()}, ")
+    return {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, "}.get(
+        isa(), f"{isa().decode()}, "
+    )
 
 
 def _march() -> list[str]:

@@ -2,15 +2,17 @@
 
 Weights are quantised once per output channel (symmetric), activations per token at run time
 (symmetric, scale = max|x| / 127 of each token). The int8 x int8 product runs in one of:
-- ember's AMX kernel (csrc/int8_gemm.cpp), on weights in its tile layout: it takes the float activations,
-  quantises each token itself (bit for bit as _quantize_tokens) and applies both scales on the way out.
-  Once ember.ops.native has built it, `use_native_int8` repacks the layers for it (1.2-1.6x oneDNN's
-  matmul on a forward's GEMMs at 20-512 tokens, benchmarks/NOTES.md);
+- ember's kernel (csrc/int8_gemm.cpp; AMX, or AVX-512 VNNI on CPUs without AMX such as AMD EPYC), on weights
+  in its tile layout: it takes the float activations, quantises each token itself (bit for bit as
+  _quantize_tokens) and applies both scales on the way out. Once ember.ops.native has built it,
+  `use_native_int8` repacks the layers for it (on AMX 1.2-1.6x oneDNN's matmul on a forward's GEMMs at
+  20-512 tokens, benchmarks/NOTES.md);
 - oneDNN's AMX matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16
   GEMM rate on an AMX Xeon), which applies the weight scales; the token scales (which oneDNN takes only per
   tensor) are applied after it. On CPUs with AMX int8, layers start here, and stay here where the native
   kernel cannot run;
-- `torch._int_mm` (VNNI where the CPU has it) everywhere else: see `onednn_int8`.
+- `torch._int_mm` (VNNI where the CPU has it) everywhere else (until the native kernel is built, and on CPUs
+  without AVX-512 VNNI): see `onednn_int8`.
 
 On the other two, each step is a plain torch op, so inside a compiled region (ops.fused) the activation
 quantisation fuses into the norm before it and the rescale into whatever follows: run eagerly, those two

@@ -1,4 +1,6 @@
-// int8 x int8 matrix product for the int8 linear layers, on AMX tiles: out = (x @ w^T) * w_scale[n] * x_scale[m].
+// int8 x int8 matrix product for the int8 linear layers: out = (x @ w^T) * w_scale[n] * x_scale[m], on AMX tiles
+// where the compiler targets AMX, else on AVX-512 VNNI (AMD Zen 4/5, Cascade Lake and later, an AMX CPU built
+// with AMX off).
 //
 // Built and loaded like attention.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
 // x: (M, K) activations, int8 quantised per token, or bf16 / float32 that the kernel quantises per token
@@ -14,6 +16,10 @@
 // Here each thread takes a range of 32-channel blocks; per block it walks the tokens 32 at a time
 // (2 x 2 result tiles), its weights (32 KB at K = 1,024) staying in L1/L2 while the next block's are
 // prefetched into L2. Long batches run in chunks of tokens whose activations fit in L2.
+// The one part that differs by instruction set is the product of 16 tokens x 32 channels (`block_product`):
+// AMX's TDPBSSD multiplies signed by signed bytes; AVX-512 VNNI's VPDPBUSD multiplies unsigned by signed, so
+// there the activations are stored offset by 128 (as unsigned bytes) and 128 x each channel's weight sum is
+// taken off the sums again (computed once per block of channels, from the weights the block reads anyway).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,8 +27,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "amx.h"
 #include "vec.h"
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define EMBER_AMX 1
+#include "amx.h"
+#else
+#define EMBER_AMX 0
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -31,12 +42,12 @@
 #include <memory>
 #include <type_traits>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_INT8__)
-#error "needs AVX-512 BF16 and AMX int8"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__) || \
+    (!EMBER_AMX && !defined(__AVX512VNNI__))
+#error "needs AVX-512 BF16 and AMX int8 or AVX-512 VNNI"
 #endif
 
-using ember_amx::bf16;
-using ember_amx::load_tile_config;
+using ember_vec::bf16;
 
 namespace {
 
@@ -92,8 +103,9 @@ float quantize_row(const In* x, int64_t K, int8_t* dst) {
       __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k + 16 * j), inv),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * kTile + 16 * j),
-                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+      __m512i qi = _mm512_cvtps_epi32(q);
+      if constexpr (!EMBER_AMX) qi = _mm512_add_epi32(qi, _mm512_set1_epi32(128));  // VPDPBUSD: unsigned bytes
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * kTile + 16 * j), _mm512_cvtepi32_epi8(qi));
     }
   }
   return amax / 127.f;
@@ -114,7 +126,11 @@ void relayout(const In* x, int64_t M, int64_t K, int64_t lda, int8_t* a, float* 
         if (row >= M) {
           for (int64_t k = 0; k < ksteps; ++k) std::memset(dst + k * kTile, 0, 64);
         } else if constexpr (std::is_same_v<In, int8_t>) {
-          for (int64_t k = 0; k < ksteps; ++k) std::memcpy(dst + k * kTile, x + row * lda + k * 64, 64);
+          for (int64_t k = 0; k < ksteps; ++k) {
+            __m512i v = _mm512_loadu_si512(x + row * lda + k * 64);
+            if constexpr (!EMBER_AMX) v = _mm512_xor_si512(v, _mm512_set1_epi8(-128));  // + 128, as unsigned
+            _mm512_storeu_si512(dst + k * kTile, v);
+          }
         } else {
           xs[row] = quantize_row(x + row * lda, K, dst);
         }
@@ -122,6 +138,108 @@ void relayout(const In* x, int64_t M, int64_t K, int64_t lda, int8_t* a, float* 
     }
   });
 }
+
+// The next block's weights, pulled into L2 a few lines per k step while this block computes.
+struct Prefetch {
+  const char* next;
+  int64_t lines, per_step, fetched;
+  void step() {
+    if (next)
+      for (int64_t q = 0; q < per_step && fetched < lines; ++q, ++fetched) _mm_prefetch(next + fetched * 64, _MM_HINT_T1);
+  }
+};
+
+// One block of 32 channels: its two 16-channel weight columns (and, for VNNI, 128 x each channel's weight sum).
+struct Block {
+  const int8_t *b0, *b1;
+  __m512i offset0, offset1;
+};
+
+#if EMBER_AMX
+inline Block begin_block(const int8_t* b0, const int8_t* b1, int64_t) {
+  return {b0, b1, _mm512_setzero_si512(), _mm512_setzero_si512()};
+}
+
+// c0 (and c1 when `two`), 16 x 32 int32, row stride 32 = the 16 tokens of the tile at `a` (and of the next
+// tile) x the block's 32 channels: 2 x 2 result tiles.
+inline void block_product(const int8_t* a, bool two, int64_t ksteps, const Block& blk, Prefetch& prefetch,
+                          int32_t* c0, int32_t* c1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < ksteps; ++k) {
+    _tile_loadd(4, a + k * kTile, 64);
+    _tile_loadd(6, blk.b0 + k * kTile, 64);
+    _tile_loadd(7, blk.b1 + k * kTile, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    prefetch.step();
+    if (two) {
+      _tile_loadd(5, a + (ksteps + k) * kTile, 64);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c0, 128);
+  _tile_stored(1, c0 + 16, 128);
+  if (two) {
+    _tile_stored(2, c1, 128);
+    _tile_stored(3, c1 + 16, 128);
+  }
+}
+#else
+// 128 x the sum of each channel's weights (VPDPBUSD with bytes of 1), what the +128 on the activations adds.
+inline Block begin_block(const int8_t* b0, const int8_t* b1, int64_t ksteps) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int64_t i = 0; i < ksteps * 16; ++i) {
+    s0 = _mm512_dpbusd_epi32(s0, ones, _mm512_loadu_si512(b0 + i * 64));
+    s1 = _mm512_dpbusd_epi32(s1, ones, _mm512_loadu_si512(b1 + i * 64));
+  }
+  return {b0, b1, _mm512_slli_epi32(s0, 7), _mm512_slli_epi32(s1, 7)};
+}
+
+// The same product with VPDPBUSD: 8 tokens x 32 channels in 16 registers; each step broadcasts 4 inputs of
+// a token (one 32-bit word of its row in the tile layout) against a weight tile's row (16 channels x the
+// same 4 inputs: one 64-byte vector).
+inline void rows_product(const int8_t* a, int64_t ksteps, const Block& blk, Prefetch& prefetch, int32_t* c) {
+  constexpr int R = 8;
+  __m512i acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < ksteps; ++k) {
+    const int8_t *ak = a + k * kTile, *w0 = blk.b0 + k * kTile, *w1 = blk.b1 + k * kTile;
+    for (int j = 0; j < 16; ++j) {
+      const __m512i v0 = _mm512_loadu_si512(w0 + j * 64), v1 = _mm512_loadu_si512(w1 + j * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, ak + r * 64 + 4 * j, sizeof(word));
+        const __m512i x = _mm512_set1_epi32(word);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, v0);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, v1);
+      }
+    }
+    prefetch.step();
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_si512(c + r * 32, _mm512_sub_epi32(acc[r][0], blk.offset0));
+    _mm512_store_si512(c + r * 32 + 16, _mm512_sub_epi32(acc[r][1], blk.offset1));
+  }
+}
+
+inline void block_product(const int8_t* a, bool two, int64_t ksteps, const Block& blk, Prefetch& prefetch,
+                          int32_t* c0, int32_t* c1) {
+  rows_product(a, ksteps, blk, prefetch, c0);  // tokens 0-7 of the tile (rows 64 bytes apart)
+  rows_product(a + 8 * 64, ksteps, blk, prefetch, c0 + 8 * 32);
+  if (two) {
+    rows_product(a + ksteps * kTile, ksteps, blk, prefetch, c1);
+    rows_product(a + ksteps * kTile + 8 * 64, ksteps, blk, prefetch, c1 + 8 * 32);
+  }
+}
+#endif
 
 // x: int8 with its tokens' scales in xs, or bf16 / float32 (In) quantised here, xs then unused (nullptr).
 template <typename Out, bool Glu, typename In>
@@ -139,11 +257,13 @@ bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (16 * K) / 2 * 2);  // tiles of tokens, even
 
   at::parallel_for(0, nblocks, 1, [&](int64_t nb0, int64_t nb1) {
-    load_tile_config();
-    alignas(64) int32_t c[16 * 32];
-    // The result tiles for tokens 16 t.. (already stored in c) -> out.
-    auto emit = [&](int64_t t, int64_t nb) {
-      store_rows<Out, Glu>(c, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16,
+#if EMBER_AMX
+    ember_amx::load_tile_config();
+#endif
+    alignas(64) int32_t c[2][16 * 32];
+    // The result tiles for tokens 16 t.. (already stored in c[i]) -> out.
+    auto emit = [&](int64_t t, int64_t nb, const int32_t* ci) {
+      store_rows<Out, Glu>(ci, std::min<int64_t>(16, M - t * 16), ws + nb * 32, xs + t * 16,
                            bias ? bias + nb * 32 : nullptr,
                            out + t * 16 * ldo + nb * (Glu ? 16 : 32), ldo);
     };
@@ -155,40 +275,19 @@ bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64
         const int8_t* b0 = w + 2 * nb * ksteps * kTile;  // channels 32 nb .. +15
         const int8_t* b1 = b0 + ksteps * kTile;          // and the next 16
         const char* next = nb + 1 < nb1 ? reinterpret_cast<const char*>(b1 + ksteps * kTile) : nullptr;
-        int64_t fetched = 0;
+        Prefetch prefetch{next, lines, per_step, 0};
+        const Block block = begin_block(b0, b1, ksteps);
         for (int64_t t = t0; t < t1; t += 2) {
           const bool two = t + 1 < t1;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t k = 0; k < ksteps; ++k) {
-            _tile_loadd(4, a.get() + (t * ksteps + k) * kTile, 64);
-            _tile_loadd(6, b0 + k * kTile, 64);
-            _tile_loadd(7, b1 + k * kTile, 64);
-            _tile_dpbssd(0, 4, 6);
-            _tile_dpbssd(1, 4, 7);
-            if (next)
-              for (int64_t q = 0; q < per_step && fetched < lines; ++q, ++fetched)
-                _mm_prefetch(next + fetched * 64, _MM_HINT_T1);
-            if (two) {
-              _tile_loadd(5, a.get() + ((t + 1) * ksteps + k) * kTile, 64);
-              _tile_dpbssd(2, 5, 6);
-              _tile_dpbssd(3, 5, 7);
-            }
-          }
-          _tile_stored(0, c, 128);
-          _tile_stored(1, c + 16, 128);
-          emit(t, nb);
-          if (two) {
-            _tile_stored(2, c, 128);
-            _tile_stored(3, c + 16, 128);
-            emit(t + 1, nb);
-          }
+          block_product(a.get() + t * ksteps * kTile, two, ksteps, block, prefetch, c[0], c[1]);
+          emit(t, nb, c[0]);
+          if (two) emit(t + 1, nb, c[1]);
         }
       }
     }
+#if EMBER_AMX
     _tile_release();
+#endif
   });
   return true;
 }
@@ -197,10 +296,17 @@ bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64
 
 extern "C" {
 
-// 1 when the kernel can run here: Linux grants this process the AMX tile state.
+// 1 when the kernel can run here: built for AVX-512 VNNI, or for AMX and Linux grants this process the tile state.
 int ember_int8_gemm_usable() {
+#if EMBER_AMX
   return ember_amx::tiles_usable();
+#else
+  return 1;
+#endif
 }
+
+// The instruction set its products were built for: "amx" or "avx512_vnni".
+const char* ember_int8_gemm_isa() { return EMBER_AMX ? "amx" : "avx512_vnni"; }
 
 // out (M, N), row stride ldo: bf16 (out_float 0) or float32 (1) = (x @ w^T) * ws[n] * xs[m] + bias[n] (bias
 // may be null), where x is (M, K) with row stride lda: int8 (x_type 0) with its tokens' scales xs, or bf16 (1)
