@@ -114,3 +114,23 @@ def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # no kernel was built
+
+
+def test_on_arm_every_native_kernel_declines_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On aarch64 (Graviton) the kernels are not built: each says why and what runs instead, and --dtype auto is
+    float32 (torch's bf16 GEMMs there are not known to be faster)."""
+    import platform
+
+    graviton = frozenset({"fp", "asimd", "sve", "bf16", "i8mm"})
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: graviton)
+    monkeypatch.setattr(native, "native_cpu_flags", lambda: graviton)
+    monkeypatch.setattr(native, "_tried", {})
+    monkeypatch.setattr(native, "_loaded", {})
+    report = native.build_kernels(native.NativeConfig())
+    assert [k.active for k in report] == [False, False, False]
+    assert all("needs Linux on x86-64 (Linux aarch64 here)" in k.detail for k in report)
+    assert {k.detail.rsplit("; ", 1)[1] for k in report} == {
+        "torch's SDPA instead", "torch's int8 matmul instead", "torch.compile's kernels instead"
+    }  # fmt: skip
+    assert hardware.isa_tier() == "aarch64+sve+bf16+i8mm" and hardware.auto_dtype() == "float32"
