@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -42,13 +43,18 @@ class FakeRunner:
         self.compile_error: Exception | None = None
         self.compiled = threading.Event()
 
-    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
+    def embed(
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+    ) -> Any:
         self.gate.wait(10)
         self.batches.append([list(ids) for ids in batch])
         if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("simulated model failure")
         if self.delay:
             time.sleep(self.delay * sum(len(s) for s in batch))
+        if per_token is not None:
+            rows = zip(batch, per_token, strict=True)
+            return [self.table[ids] if want else self.table[ids].mean(0) for ids, want in rows]
         return np.stack([self.table[ids].mean(0) for ids in batch])
 
     def load_kernels(self) -> list[KernelStatus]:

@@ -54,6 +54,29 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_vectors(runner, t
         np.testing.assert_allclose(result.vectors[0], runner.expected(ids), atol=1e-6)
 
 
+def test_token_states_and_pooled_vectors_share_a_batch_and_each_gets_its_own(runner, tokenizer):
+    async def main():
+        engine = await _started(runner, tokenizer)
+        runner.batches.clear()  # the warm-up's
+        runner.gate.clear()
+        texts = ["first text here", "second", "and a third one"]
+        pooled = asyncio.create_task(engine.embed(texts[:2]))
+        tokens = asyncio.create_task(engine.embed(texts[2:], EmbedParams(per_token=True, normalize=False)))
+        await until(lambda: engine.queued_requests == 2)
+        runner.gate.set()
+        results = await asyncio.gather(pooled, tokens)
+        await engine.stop()
+        return texts, results
+
+    texts, (pooled, tokens) = run(main())
+    assert len(runner.batches) == 1  # one forward served both kinds
+    for text, vector in zip(texts[:2], pooled.vectors, strict=True):
+        np.testing.assert_allclose(vector, runner.expected(tokenizer.encode(text)), atol=1e-6)
+    ids = tokenizer.encode(texts[2])
+    np.testing.assert_array_equal(tokens.vectors[0], runner.table[ids])
+    assert tokens.token_counts == [len(ids)]
+
+
 def test_a_cancelled_request_is_never_computed(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer)

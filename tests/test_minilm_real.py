@@ -47,6 +47,19 @@ def test_retrieval_ranking_is_identical(embedder, reference):
     assert (np.argsort(-(q @ d.T), axis=1) == np.argsort(-(rq @ rd.T), axis=1)).all()
 
 
+def test_token_embed_matches_sentence_transformers_token_embeddings(embedder, reference):
+    texts = SENTENCES[:8]
+    ours = embedder.embed_tokens(texts, normalize=False)
+    ref = reference.encode(texts, output_value="token_embeddings", convert_to_numpy=False)
+    for got, want in zip(ours.vectors, ref, strict=True):
+        want = want.float().numpy()
+        assert got.shape == want.shape  # every token, specials included
+        assert _cos(got, want).min() >= 0.9999
+    alone = embedder.embed_tokens(texts[3]).vectors[0]  # a text alone equals the same text in the batch
+    np.testing.assert_allclose(alone, embedder.embed_tokens(texts).vectors[3], atol=1e-5)
+    assert np.allclose(np.linalg.norm(alone, axis=1), 1.0, atol=1e-5)  # normalised by default, per token
+
+
 def test_bfloat16_stays_close_to_the_reference(reference):
     embedder = Embedder(dtype="bfloat16")
     if onednn_bf16():  # the layers run packed, with bias and GELU inside oneDNN's matmul

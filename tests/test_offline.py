@@ -26,9 +26,9 @@ def _recording(embedder):
     seen = []
     embed = embedder._loaded.runner.embed
 
-    def record(batch, token_types=None):
+    def record(batch, token_types=None, per_token=None):
         seen.append([len(ids) for ids in batch])
-        return embed(batch, token_types)
+        return embed(batch, token_types, per_token)
 
     embedder._loaded.runner.embed = record
     return seen
@@ -75,3 +75,20 @@ def test_usage_counts_are_the_tokens_embedded(embedder):
     texts = ["a", "two words", "and a few more words here"]
     out = embedder.embed(texts)
     assert out.vectors.shape == (3, 64) and out.token_counts == [len(embedder.tokenizer.encode(t)) for t in texts]
+
+
+def test_token_states_are_the_models_last_hidden_states(embedder, model_dir):
+    import torch
+    from transformers import AutoModel
+
+    reference = AutoModel.from_pretrained(str(model_dir)).eval()
+    texts = SENTENCES[:5]
+    out = embedder.embed_tokens(texts, normalize=False)
+    for text, states, count in zip(texts, out.vectors, out.token_counts, strict=True):
+        ids = embedder.tokenizer.encode(text)
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).last_hidden_state[0].numpy()
+        assert states.shape == want.shape and count == len(ids)
+        np.testing.assert_allclose(states, want, atol=1e-4)
+    pooled = embedder.embed(texts, normalize=False).vectors  # MEAN of the same states
+    np.testing.assert_allclose(np.stack([s.mean(0) for s in out.vectors]), pooled, atol=1e-5)

@@ -103,11 +103,66 @@ def test_pooling_runs_the_embed_task_and_refuses_the_others_as_vllm_does(client)
     ref = floats(client, "/pooling")
     r = client.post("/pooling", json={"input": TEXTS, "task": "embed"})
     assert r.status_code == 200 and [d["data"] for d in r.json()["data"]] == ref
-    for task in ("classify", "token_embed", "token_classify", "nonsense"):
+    for task in ("classify", "token_classify", "embed&token_classify"):
         r = client.post("/pooling", json={"input": TEXTS, "task": task})
         assert r.status_code == 400, task
-        assert r.json()["error"]["message"].startswith(f"Unsupported task: {task!r}")
+        assert r.json()["error"]["message"] == f"Unsupported task: {task!r} Supported tasks: ('embed', 'token_embed')"
         assert r.json()["error"]["param"] == "task"
+    r = client.post("/pooling", json={"input": TEXTS, "task": "nonsense"})  # not a vLLM task at all
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task" and "'token_embed'" in r.text
+
+
+def test_token_embed_gives_each_token_its_normalised_vector(client, runner, tokenizer):
+    r = client.post("/pooling", json={"input": TEXTS, "task": "token_embed"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    for d, text in zip(body["data"], TEXTS, strict=True):
+        ids = tokenizer.encode(text)
+        states = runner.table[ids]
+        want = states / np.linalg.norm(states, axis=1, keepdims=True)
+        got = np.asarray(d["data"], np.float32)
+        assert got.shape == (len(ids), runner.info.dimension)  # specials included, as vLLM
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in TEXTS)
+    # dimensions and normalize apply to every token's vector, as vLLM's token head does
+    r = client.post("/pooling", json={"input": TEXTS[0], "task": "token_embed", "dimensions": 8, "normalize": False})
+    ids = tokenizer.encode(TEXTS[0])
+    np.testing.assert_allclose(np.asarray(r.json()["data"][0]["data"]), runner.table[ids][:, :8], rtol=1e-6)
+
+
+def test_token_embed_bytes_carry_each_inputs_shape(client, tokenizer):
+    ref = client.post("/pooling", json={"input": TEXTS, "task": "token_embed"}).json()["data"]
+    r = client.post("/pooling", json={"input": TEXTS, "task": "token_embed", "encoding_format": "bytes"})
+    meta = json.loads(r.headers["metadata"])
+    for item, d in zip(meta["data"], ref, strict=True):
+        want = np.asarray(d["data"], np.float32)
+        assert item["shape"] == list(want.shape)
+        got = np.frombuffer(r.content[item["start"] : item["end"]], np.float32).reshape(item["shape"])
+        np.testing.assert_array_equal(got, want)
+
+
+def test_token_embed_is_never_chunked_and_is_truncated_when_asked(client, runner):
+    long_text = "word " * 200  # beyond the fake's 32-token context
+    r = client.post("/pooling", json={"input": long_text, "task": "token_embed"})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = client.post("/pooling", json={"input": long_text, "task": "token_embed", "truncate_prompt_tokens": 10})
+    assert r.status_code == 200 and np.asarray(r.json()["data"][0]["data"]).shape == (10, runner.info.dimension)
+
+
+def test_pooler_config_task_sets_the_default(runner, tokenizer):
+    from fastapi.testclient import TestClient
+
+    from ember.api.app import create_app
+    from ember.config import EngineConfig, PoolerConfig, ServerConfig
+    from ember.engine.engine import AsyncEngine
+
+    engine = AsyncEngine(runner, tokenizer, EngineConfig(), PoolerConfig.parse('{"task": "token_embed"}'))
+    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",)))) as c:
+        data = c.post("/pooling", json={"input": "hello world"}).json()["data"][0]["data"]
+        assert np.asarray(data).ndim == 2
+        assert np.asarray(c.post("/pooling", json={"input": "hi", "task": "embed"}).json()["data"][0]["data"]).ndim == 1
+        vector = c.post("/v1/embeddings", json={"input": "hello world"}).json()["data"][0]["embedding"]
+        assert np.asarray(vector).ndim == 1  # /v1/embeddings is always one vector per input
 
 
 def test_truncation_beyond_the_context_gets_vllms_words(client):

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from ember.version import __version__
 
-__all__ = ["Embedder", "Embeddings", "Reranker", "__version__"]
+__all__ = ["Embedder", "Embeddings", "Reranker", "TokenEmbeddings", "__version__"]
 
 if TYPE_CHECKING:
-    from ember.offline import Embedder, Embeddings, Reranker
+    from ember.offline import Embedder, Embeddings, Reranker, TokenEmbeddings
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import ember` (and the CLI's env/thread setup) happens before torch is imported.
-    if name in ("Embedder", "Embeddings", "Reranker"):
+    if name in ("Embedder", "Embeddings", "Reranker", "TokenEmbeddings"):
         from ember import offline
 
         return getattr(offline, name)

@@ -60,6 +60,9 @@ class PoolerConfig:
     """With chunked processing, the longest input accepted, in tokens (None: no limit)."""
     chunk_overlap: int = 0
     """ember extension: tokens each window shares with the previous one (at most half a window)."""
+    task: Literal["embed", "token_embed"] | None = None
+    """What /pooling answers when a request names no task: embed (a vector per input, the default) or
+    token_embed (a vector per token)."""
 
     @classmethod
     def parse(cls, raw: str | dict[str, Any] | None, flag: str = "--pooler-config") -> PoolerConfig:
@@ -96,6 +99,8 @@ def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
     for name in ("normalize", "enable_chunked_processing"):
         if name in kw and kw[name] is not None and not isinstance(kw[name], bool):
             raise ConfigError(f"{flag}: {name} must be true or false, got {kw[name]!r}")
+    if kw.get("task") not in (None, "embed", "token_embed"):
+        raise ConfigError(f"{flag}: task {kw['task']!r} is not one ember runs; choose embed or token_embed")
     overlap = kw.get("chunk_overlap", 0)
     if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
         raise ConfigError(f"{flag}: chunk_overlap must be a non-negative integer, got {overlap!r}")

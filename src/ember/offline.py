@@ -34,13 +34,20 @@ from ember.resources import cpu_budget
 from ember.tokenizer import Tokenizer
 from ember.types import KernelStatus, ModelInfo
 
-__all__ = ["Embedder", "Embeddings", "Reranker"]
+__all__ = ["Embedder", "Embeddings", "Reranker", "TokenEmbeddings"]
 
 
 class Embeddings(NamedTuple):
     """Vectors (N, D) float32 in input order, and the tokens each input used."""
 
     vectors: np.ndarray
+    token_counts: list[int]
+
+
+class TokenEmbeddings(NamedTuple):
+    """A (tokens, D) float32 array per input, in input order, and the tokens each input used."""
+
+    vectors: list[np.ndarray]
     token_counts: list[int]
 
 
@@ -104,18 +111,26 @@ class _Offline:
         return self._loaded.plan.path
 
     def _embed(self, inputs: Any, params: EmbedParams) -> Embeddings:
+        vectors, counts = self._vectors(inputs, params)
+        return Embeddings(np.stack(vectors), counts)
+
+    def _vectors(self, inputs: Any, params: EmbedParams) -> tuple[list[np.ndarray], list[int]]:
         prepared = self.preprocessor.check(inputs, params)
         fitted = self.preprocessor.fit(prepared, params)
-        request = self._run([f.windows for f in fitted], [f.tokens for f in fitted])
-        vectors = self.preprocessor.vectors(request.windows, request.pooled, prepared)
-        return Embeddings(np.stack(vectors), request.token_counts)
+        request = self._run([f.windows for f in fitted], [f.tokens for f in fitted], per_token=params.per_token)
+        return self.preprocessor.vectors(request.windows, request.pooled, prepared), request.token_counts
 
     def _run(
-        self, windows: list[list[list[int]]], counts: list[int], types: list[list[list[int]]] | None = None
+        self,
+        windows: list[list[list[int]]],
+        counts: list[int],
+        types: list[list[list[int]]] | None = None,
+        *,
+        per_token: bool = False,
     ) -> Request:
         """One request on a queue of its own, batched by the budget, until every window is computed."""
         scheduler = Scheduler(self.engine_config)
-        request = scheduler.admit(windows, counts, 0.0, types)
+        request = scheduler.admit(windows, counts, 0.0, types, per_token)
         while batch := scheduler.next_batch(0.0):
             scheduler.complete(batch, self._loaded.runner.embed(*batch_inputs(batch)), 0.0, 0.0)
         return request
@@ -139,6 +154,25 @@ class Embedder(_Offline):
             raise InputError(f"this model ({self.info.architecture}) scores pairs: use ember.Reranker", "input")
         params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name)
         return self._embed(inputs, params)
+
+    def embed_tokens(
+        self,
+        inputs: str | list[str] | list[int] | list[list[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+    ) -> TokenEmbeddings:
+        """One vector per token (vLLM's `token_embed`, for multi-vector retrieval): `vectors` is a list of
+        (tokens, D) arrays in input order, special tokens included; inputs longer than max-model-len are refused
+        unless truncated."""
+        if self.info.task != "embed":
+            raise InputError(f"this model ({self.info.architecture}) scores pairs: use ember.Reranker", "input")
+        params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
+                             per_token=True)  # fmt: skip
+        return TokenEmbeddings(*self._vectors(inputs, params))
 
 
 class Reranker(_Offline):

@@ -94,9 +94,12 @@ class Runner(Protocol):
 
     info: ModelInfo
 
-    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
+    def embed(
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+    ) -> np.ndarray | list[np.ndarray]:
         """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation); for a score
-        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0."""
+        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0. `per_token`: the
+        rows that want every token's state instead, as (tokens, dimension) (the result is then a list)."""
         ...
 
     def load_kernels(self) -> list[KernelStatus]:

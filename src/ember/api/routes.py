@@ -25,6 +25,7 @@ from ember.api.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    PoolingRequest,
     PoolingResponse,
     TokenizeRequest,
     TokenizeResponse,
@@ -98,9 +99,10 @@ async def until_disconnect(request: Request, work: Any) -> Any:
     return task.result()
 
 
-def _params(body: EmbeddingRequest) -> EmbedParams:
+def _params(body: EmbeddingRequest, per_token: bool = False) -> EmbedParams:
     normalize = body.normalize if body.normalize is not None else body.use_activation
     return EmbedParams(
+        per_token=per_token,
         dimensions=body.dimensions,
         normalize=normalize,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
@@ -146,9 +148,12 @@ async def engine_call(
     return ctx, result, tokens
 
 
-async def _vectors(request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str) -> Response:
-    """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order."""
-    params = _params(body)
+async def _vectors(
+    request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str, per_token: bool = False
+) -> Response:
+    """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order
+    (`per_token`: each input's (tokens, D) vectors as nested lists, or their bytes row by row)."""
+    params = _params(body, per_token)
     ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(body.input, params))
     envelope = _envelope(ctx, request, prefix, [], tokens)
     fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
@@ -178,14 +183,16 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 
 @inference.post("/pooling", response_model=PoolingResponse)
-async def pooling(body: EmbeddingRequest, request: Request) -> Response:
-    """vLLM's pooling endpoint: the pooled vectors under `data`. `task` (vLLM's) may be `embed`, the one pooling
-    task ember runs; any other is refused as vLLM refuses a task the model does not support."""
-    task = (body.model_extra or {}).get("task")
-    supported = ("embed",) if context(request).engine.info.task == "embed" else ()
-    if task is not None and task not in supported:
+async def pooling(body: PoolingRequest, request: Request) -> Response:
+    """vLLM's pooling endpoint: `data` per input. `task` (vLLM's) is `embed` (the pooled vector) or `token_embed`
+    (a vector per token); the default is --pooler-config's task, else embed. A task the model cannot do is
+    refused with vLLM's message."""
+    engine = context(request).engine
+    supported = ("embed", "token_embed") if engine.info.task == "embed" else ()
+    task = body.task or engine.preprocessor.pooler.task or "embed"
+    if task not in supported:
         raise InputError(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
-    return await _vectors(request, body, prefix="pool", kind="pooling", field="data")
+    return await _vectors(request, body, prefix="pool", kind="pooling", field="data", per_token=task == "token_embed")
 
 
 @inference.post("/tokenize", response_model=TokenizeResponse)

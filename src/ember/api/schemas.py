@@ -15,6 +15,7 @@ __all__ = [
     "EmbeddingRequest",
     "EmbeddingResponse",
     "ModelList",
+    "PoolingRequest",
     "RerankRequest",
     "ScoreRequest",
     "TokenizeRequest",
@@ -52,6 +53,17 @@ class EmbeddingRequest(_Request):
     prompt_name: str | None = Field(None, description="a prompt from config_sentence_transformers.json")
 
 
+PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling: an embedding request with vLLM's `task`."""
+
+    task: PoolingTask | None = Field(
+        None, description="embed: a vector per input; token_embed: a vector per token (default: --pooler-config task)"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     total_tokens: int
@@ -77,7 +89,7 @@ class EmbeddingResponse(BaseModel):
 class PoolingData(BaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(BaseModel):

@@ -12,7 +12,7 @@ import numpy as np
 
 from ember.types import Specials
 
-__all__ = ["embed_windows", "embedding_head", "split_windows", "truncate", "weighted_mean"]
+__all__ = ["embed_windows", "embedding_head", "split_windows", "token_head", "truncate", "weighted_mean"]
 
 
 def truncate(ids: list[int], keep: int, side: str, specials: Specials) -> list[int]:
@@ -51,6 +51,14 @@ def embedding_head(x: np.ndarray, dimensions: int | None, normalize: bool) -> np
     if normalize:
         norm = float(np.linalg.norm(x))
         x = x / max(norm, 1e-12)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def token_head(states: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """The embedding head on every row of (tokens, D) float32 states: truncate, then L2-normalise each row."""
+    x = states[:, :dimensions] if dimensions is not None else states
+    if normalize:
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     return np.ascontiguousarray(x, dtype=np.float32)
 
 

@@ -174,7 +174,8 @@ class AsyncEngine:
         # a short request tokenises in microseconds: handing it to a thread would cost more
         fit = self.preprocessor.fit
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
-        request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted])
+        request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted],
+                                          per_token=params.per_token)  # fmt: skip
         return EmbedResult(
             self.preprocessor.vectors(request.windows, request.pooled, prepared),
             request.token_counts,
@@ -207,10 +208,15 @@ class AsyncEngine:
         return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds)
 
     async def _run_request(
-        self, windows: list[list[list[int]]], counts: list[int], types: list[list[list[int]]] | None = None
+        self,
+        windows: list[list[list[int]]],
+        counts: list[int],
+        types: list[list[list[int]]] | None = None,
+        *,
+        per_token: bool = False,
     ) -> Request:
         """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed."""
-        request = self.scheduler.admit(windows, counts, time.monotonic(), types)
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None
         self._wakeup.set()

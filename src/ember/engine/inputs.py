@@ -8,13 +8,13 @@ form, `dimensions`, the prompt, token ids, lengths (truncation, chunking), then 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from ember.config import PoolerConfig
-from ember.engine.chunking import Specials, embed_windows, split_windows, truncate
+from ember.engine.chunking import Specials, embed_windows, split_windows, token_head, truncate
 from ember.errors import ConfigError, InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
@@ -181,6 +181,9 @@ class EmbedParams:
     """A prompt of the model's (config_sentence_transformers.json) put before each text; None: its default."""
     prompt: str | None = None
     """The text to put before each text instead ("": nothing, whatever the model's default)."""
+    per_token: bool = False
+    """One vector per token instead of one per input (vLLM's `token_embed` task): the last hidden states, through
+    the model's Dense modules, `dimensions` and normalisation each. Inputs are never chunked for it."""
 
 
 class Prepared(NamedTuple):
@@ -190,6 +193,7 @@ class Prepared(NamedTuple):
     prompt: str
     dimensions: int | None
     normalize: bool
+    per_token: bool = False
 
 
 class Preprocessor:
@@ -210,7 +214,7 @@ class Preprocessor:
         items = split_inputs(inputs)
         normalize = self.info.pooling.normalize if params.normalize is None else params.normalize
         prompt = self.prompt(params.prompt_name) if params.prompt is None else params.prompt
-        return Prepared(items, prompt, self._dimensions(params.dimensions), normalize)
+        return Prepared(items, prompt, self._dimensions(params.dimensions), normalize, params.per_token)
 
     def prompt(self, prompt_name: str | None) -> str:
         """The prompt to put before each text: the named one, else the model's default, else none."""
@@ -231,9 +235,10 @@ class Preprocessor:
         """Tokenise (texts) or check (token ids), then fit each input to the model's length."""
         seqs = tokenize(self.tokenizer, prepared.items, prepared.prompt, params.add_special_tokens)
         specials, max_len = self.tokenizer.special_tokens, self.info.max_model_len
+        pooler = replace(self.pooler, enable_chunked_processing=False) if params.per_token else self.pooler
         return [
             fit_length(ids, max_len, specials, truncate_to=params.truncate_prompt_tokens, side=params.truncation_side,
-                       pooler=self.pooler, auto_truncate=self.auto_truncate)
+                       pooler=pooler, auto_truncate=self.auto_truncate)
             for ids in seqs
         ]  # fmt: skip
 
@@ -241,7 +246,10 @@ class Preprocessor:
     def vectors(
         windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
     ) -> list[np.ndarray]:
-        """Each input's vector from its pooled windows (keyed (input, window)): head, and merge when chunked."""
+        """Each input's vector from its pooled windows (keyed (input, window)): head, and merge when chunked; with
+        `per_token`, each input's (tokens, D) states with the head applied to every row."""
+        if prepared.per_token:
+            return [token_head(pooled[(i, 0)], prepared.dimensions, prepared.normalize) for i in range(len(windows))]
         return [
             embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
                           prepared.normalize)

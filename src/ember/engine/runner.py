@@ -36,7 +36,9 @@ class TorchRunner:
         """True once compile() has built the fused kernels: embed() then uses them."""
 
     @torch.inference_mode()
-    def embed(self, batch: list[list[int]], token_types: list[list[int]] | None = None) -> np.ndarray:
+    def embed(
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+    ) -> np.ndarray | list[np.ndarray]:
         seqlens = [len(ids) for ids in batch]
         total = sum(seqlens)
         filler = padded_tokens(total) - total  # one more sequence, of token 0, that nothing reads
@@ -52,7 +54,22 @@ class TorchRunner:
             return logits.float().numpy()
         for dense in self.dense:
             pooled = dense(pooled)
-        return pooled.numpy()
+        if per_token is None or not any(per_token):
+            return pooled.numpy()
+        return self._token_states(hidden[:total], seqlens, per_token, pooled.numpy())
+
+    def _token_states(
+        self, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool], pooled: np.ndarray
+    ) -> list[np.ndarray]:
+        """The pooled row for each sequence, or for those in `per_token` its (tokens, D) states after Dense."""
+        out: list[np.ndarray] = list(pooled)
+        for i, (states, wanted) in enumerate(zip(hidden.split(seqlens), per_token, strict=True)):
+            if wanted:
+                x = states.float()
+                for dense in self.dense:
+                    x = dense(x)
+                out[i] = x.numpy()
+        return out
 
     def load_kernels(self) -> list[KernelStatus]:
         """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8

@@ -37,6 +37,7 @@ class Request:
     arrival: float
     pending: int  # windows not yet computed
     token_types: list[list[list[int]]] | None = None  # per window, its tokens' segments (pairs); None: all 0
+    per_token: bool = False  # each window's token states are wanted, not its pooled vector
     in_queue: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
@@ -114,11 +115,12 @@ class Scheduler:
         token_counts: list[int],
         now: float,
         token_types: list[list[list[int]]] | None = None,
+        per_token: bool = False,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
-        queue's budgets are spent."""
+        queue's budgets are spent. `per_token`: the request wants every token's state, not pooled vectors."""
         pending = sum(len(ws) for ws in windows)
-        request = Request(windows, token_counts, now, pending, token_types)
+        request = Request(windows, token_counts, now, pending, token_types, per_token)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
@@ -205,8 +207,10 @@ class Scheduler:
             self._peaks.popleft()
         return self._peaks[0][1] if self._peaks else 1  # a peak counts the request that made it: >= 1
 
-    def complete(self, batch: list[WorkItem], pooled: np.ndarray, seconds: float, now: float) -> list[Request]:
-        """Record a batch's pooled rows; returns the requests it finished."""
+    def complete(
+        self, batch: list[WorkItem], pooled: np.ndarray | list[np.ndarray], seconds: float, now: float
+    ) -> list[Request]:
+        """Record a batch's pooled rows (or token states); returns the requests it finished."""
         self._last_batch_end = now
         tokens = sum(len(it.ids) for it in batch)
         self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / max(1, tokens)
@@ -234,9 +238,11 @@ class Scheduler:
         return failed
 
 
-def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]] | None]:
-    """A batch's token ids and, when any of its items has them, token types (0 for the others)."""
+def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]] | None, list[bool] | None]:
+    """A batch's token ids; when any of its items has them, token types (0 for the others); when any of its
+    requests wants token states, which rows do (else None)."""
     ids = [it.ids for it in batch]
+    per_token = [it.request.per_token for it in batch] if any(it.request.per_token for it in batch) else None
     if all(it.types is None for it in batch):
-        return ids, None
-    return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch]
+        return ids, None, per_token
+    return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch], per_token
