@@ -171,3 +171,45 @@ def test_truncation_beyond_the_context_gets_vllms_words(client):
     assert r.json()["error"]["message"] == (
         "truncate_prompt_tokens value is greater than max_model_len. Please request a smaller truncation size."
     )
+
+
+@pytest.mark.parametrize("kind", ["int8", "uint8", "binary", "ubinary"])
+def test_compact_types_on_openai_embeddings_are_cohere_codes_as_ints_base64_or_bytes(client, kind):
+    from ember.api.cohere import typed_embeddings
+
+    ref = np.asarray(floats(client), np.float32)
+    want = np.asarray(typed_embeddings(ref, [kind])[kind])
+    r = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": kind})
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal([d["embedding"] for d in r.json()["data"]], want)
+    byte = np.int8 if kind in ("int8", "binary") else np.uint8
+    r = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": kind, "encoding_format": "base64"})
+    got = [np.frombuffer(base64.b64decode(d["embedding"]), byte) for d in r.json()["data"]]
+    np.testing.assert_array_equal(got, want)
+    r = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": kind, "encoding_format": "bytes"})
+    meta = json.loads(r.headers["metadata"])
+    assert [item["shape"] for item in meta["data"]] == [[want.shape[1]]] * len(TEXTS)
+    assert meta["data"][0]["embed_dtype"] == np.dtype(byte).name
+    np.testing.assert_array_equal(np.frombuffer(r.content, byte).reshape(want.shape), want)
+
+
+def test_int8_codes_keep_the_direction_and_binary_the_signs(client):
+    ref = np.asarray(floats(client), np.float32)
+    codes = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": "int8"}).json()["data"]
+    for code, vector in zip(codes, ref, strict=True):
+        decoded = np.asarray(code["embedding"], np.float32)
+        assert decoded @ vector / (np.linalg.norm(decoded) * np.linalg.norm(vector)) > 0.999
+    bits = client.post("/v1/embeddings", json={"input": TEXTS, "embedding_type": "ubinary"}).json()["data"]
+    for code, vector in zip(bits, ref, strict=True):
+        np.testing.assert_array_equal(np.unpackbits(np.asarray(code["embedding"], np.uint8)), vector >= 0)
+
+
+def test_compact_types_refuse_what_does_not_apply(client):
+    r = client.post("/v1/embeddings", json={"input": "x", "embedding_type": "int8", "embed_dtype": "float16"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "embed_dtype"
+    r = client.post("/v1/embeddings", json={"input": "x", "embedding_type": "binary", "dimensions": 12})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "Embedding dimension must be a multiple of 8 for binary embedding types, but got 12."
+    )
+    r = client.post("/v1/embeddings", json={"input": "x", "embedding_type": "int4"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "embedding_type"

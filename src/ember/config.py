@@ -210,10 +210,18 @@ class ServerConfig:
     """Accepted bearer tokens (--api-key, VLLM_API_KEY, EMBER_API_KEY); empty = no auth."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest request body accepted before 413 (--max-request-bytes)."""
+    max_inputs_per_request: int = 2048
+    """Most inputs one request may carry (texts of /v1/embeddings, /pooling and /v2/embed, documents of /rerank,
+    pairs of /score), checked before any tokenising: 400 past it (--max-inputs-per-request,
+    EMBER_MAX_INPUTS_PER_REQUEST). 2,048 is OpenAI's own cap, which OpenAI-written clients already respect."""
     shutdown_grace_seconds: float = 30.0
     """How long SIGTERM waits for in-flight requests (--shutdown-grace)."""
     memory_budget_bytes: int = 0
     """The memory ember sized itself to, exported in /metrics."""
+
+    def __post_init__(self) -> None:
+        if self.max_inputs_per_request < 1:
+            raise ConfigError(f"--max-inputs-per-request must be positive, got {self.max_inputs_per_request}")
 
 
 @dataclass(frozen=True)

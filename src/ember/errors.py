@@ -14,6 +14,7 @@ __all__ = [
     "InputError",
     "InputTooLongError",
     "OverloadedError",
+    "RequestTooLargeError",
     "ShuttingDownError",
     "UnsupportedModelError",
 ]
@@ -46,6 +47,10 @@ class InputError(EmberError):
 
 class InputTooLongError(InputError):
     """An input exceeds the model's context and neither chunking nor truncation applies."""
+
+
+class RequestTooLargeError(InputError):
+    """One request holds more work than the server ever queues at once (HTTP 413): it could never be admitted."""
 
 
 class OverloadedError(EmberError):

@@ -11,6 +11,7 @@ from fastapi_offline import FastAPIOffline
 
 from ember.api.cohere import cohere
 from ember.api.errors import install_error_handlers
+from ember.api.invocations import invocations
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
 from ember.api.routes import Context, inference, probes
@@ -52,6 +53,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     app.include_router(inference)
     app.include_router(scoring)
     app.include_router(cohere)
+    app.include_router(invocations)
     app.include_router(probes)
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes)
     return app

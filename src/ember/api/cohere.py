@@ -7,9 +7,8 @@ The text parts of one `inputs` item are joined with spaces.
 
 Types: `float`; `base64` (little-endian float32); `binary`/`ubinary` (one bit per value, `v >= 0`, packed
 most-significant bit first; `binary` = `ubinary` - 128, as vLLM and Cohere); `int8`/`uint8`: each vector scaled so
-its largest |value| is 127, then rounded (`uint8` = `int8` + 128). That scale depends on the vector alone, so a
-text gets the same codes alone or in any batch, and the cosine of two decoded vectors is their float cosine up to
-rounding; decode with `np.asarray(codes, np.float32)` (minus 128 for uint8) and normalise before dot products.
+its largest |value| is 127, then rounded (`uint8` = `int8` + 128), as ember.api.encoding.quantize says. Decode
+with `np.asarray(codes, np.float32)` (minus 128 for uint8) and normalise before dot products.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ember.api.encoding import quantize
 from ember.api.responses import JSONBytes
-from ember.api.routes import context, engine_call, require_api_key
+from ember.api.routes import check_count, context, engine_call, require_api_key
 from ember.engine.engine import EmbedParams
 from ember.errors import InputError
 
@@ -104,7 +104,7 @@ def _truncation(body: CohereEmbedRequest) -> tuple[int | None, Literal["left", "
 
 
 def typed_embeddings(vectors: np.ndarray, types: list[str]) -> dict[str, Any]:
-    """The vectors in each requested type (see the module's docstring for the encodings)."""
+    """The vectors in each requested type (see ember.api.encoding.quantize for the compact ones)."""
     vectors = np.asarray(vectors, np.float32)
     out: dict[str, Any] = {}
     for kind in dict.fromkeys(types):
@@ -112,16 +112,8 @@ def typed_embeddings(vectors: np.ndarray, types: list[str]) -> dict[str, Any]:
             out[kind] = vectors
         elif kind == "base64":
             out[kind] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
-        elif kind in ("binary", "ubinary"):
-            if vectors.shape[1] % 8:
-                raise InputError(f"binary types need a width that is a multiple of 8, got {vectors.shape[1]}",
-                                 "embedding_types")  # fmt: skip
-            packed = np.packbits(vectors >= 0, axis=-1).astype(np.int16)
-            out[kind] = packed - 128 if kind == "binary" else packed
         else:
-            scale = 127.0 / np.maximum(np.abs(vectors).max(axis=1, keepdims=True), 1e-12)
-            codes = np.clip(np.rint(vectors * scale), -127, 127).astype(np.int16)
-            out[kind] = codes + 128 if kind == "uint8" else codes
+            out[kind] = quantize(vectors, kind, "embedding_types")
     return out
 
 
@@ -129,6 +121,7 @@ def typed_embeddings(vectors: np.ndarray, types: list[str]) -> dict[str, Any]:
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     """Cohere's v2 embed: `embeddings` by type, `texts` echoed, tokens in `meta`."""
     texts = _texts(body)
+    check_count(request, len(texts), "texts" if body.texts is not None else "inputs")
     truncate, side = _truncation(body)
     prompt = _prompt(body.input_type, context(request).engine.info.prompts)
     params = EmbedParams(dimensions=body.output_dimension, truncate_prompt_tokens=truncate, truncation_side=side,

@@ -1,5 +1,5 @@
 """Vectors on the wire as vLLM sends them: JSON floats, base64, or a raw body (`bytes`, `bytes_only`), in the
-`embed_dtype` and `endianness` the request names.
+`embed_dtype` and `endianness` the request names; and the compact types vector stores keep (`quantize`).
 
 `embed_dtype` is float32 (default), float16, bfloat16 or an fp8 format; each vector is cast to it and its bytes
 are sent as they are (bfloat16 and fp8 as their raw bits: 2 and 1 bytes per value). `native` endianness is the
@@ -18,7 +18,19 @@ import ml_dtypes
 import numpy as np
 from fastapi import Response
 
-__all__ = ["EMBED_DTYPES", "EmbedDType", "Endianness", "bytes_response", "encode", "to_bytes"]
+from ember.errors import InputError
+
+__all__ = [
+    "COMPACT_TYPES",
+    "EMBED_DTYPES",
+    "CompactType",
+    "EmbedDType",
+    "Endianness",
+    "bytes_response",
+    "encode",
+    "quantize",
+    "to_bytes",
+]
 
 EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 Endianness = Literal["native", "big", "little"]
@@ -33,8 +45,34 @@ EMBED_DTYPES: dict[str, Any] = {
 """Each embed_dtype as a numpy type (ml_dtypes for those numpy lacks; it rounds as torch does, as vLLM casts)."""
 
 
+CompactType = Literal["int8", "uint8", "binary", "ubinary"]
+COMPACT_TYPES = ("int8", "uint8", "binary", "ubinary")
+
+
+def quantize(vectors: np.ndarray, kind: str, param: str) -> np.ndarray:
+    """Vectors (..., D) float32 as `kind`, along the last axis: `ubinary` is one bit per value (`v >= 0`), packed
+    most-significant bit first (D/8 uint8, D a multiple of 8); `binary` is ubinary - 128 (int8), as vLLM and
+    Cohere; `int8` scales each vector so its largest |value| is 127 and rounds; `uint8` is int8 + 128. The scale
+    depends on the vector alone, so a text has the same codes alone or in any batch, and decoded codes keep the
+    vector's direction up to rounding (cosine to the float vector >= 0.999 at D >= 64)."""
+    vectors = np.asarray(vectors, np.float32)
+    if kind in ("binary", "ubinary"):
+        if vectors.shape[-1] % 8:
+            raise InputError(
+                f"Embedding dimension must be a multiple of 8 for binary embedding types, but got {vectors.shape[-1]}.",
+                param,
+            )
+        packed = np.packbits(vectors >= 0, axis=-1)
+        return (packed.astype(np.int16) - 128).astype(np.int8) if kind == "binary" else packed
+    scale = 127.0 / np.maximum(np.abs(vectors).max(axis=-1, keepdims=True), 1e-12)
+    codes = np.clip(np.rint(vectors * scale), -127, 127).astype(np.int8)
+    return (codes.astype(np.int16) + 128).astype(np.uint8) if kind == "uint8" else codes
+
+
 def to_bytes(vector: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
-    """One vector's values as `embed_dtype`, in `endianness` byte order."""
+    """One vector's values as `embed_dtype`, in `endianness` byte order (compact codes: their bytes as they are)."""
+    if vector.dtype in (np.int8, np.uint8):
+        return np.ascontiguousarray(vector).tobytes()
     raw = np.ascontiguousarray(vector, np.float32).astype(EMBED_DTYPES[embed_dtype])
     if endianness not in ("native", sys.byteorder) and raw.itemsize > 1:
         raw = raw.view(f"u{raw.itemsize}").byteswap()
@@ -55,7 +93,8 @@ def bytes_response(
     body, items, offset = [], [], 0
     for index, vector in enumerate(vectors):
         raw = to_bytes(vector, embed_dtype, endianness)
-        items.append({"index": index, "embed_dtype": embed_dtype, "endianness": endianness, "start": offset,
+        kind = str(vector.dtype) if vector.dtype in (np.int8, np.uint8) else embed_dtype
+        items.append({"index": index, "embed_dtype": kind, "endianness": endianness, "start": offset,
                       "end": offset + len(raw), "shape": list(np.shape(vector))})  # fmt: skip
         body.append(raw)
         offset += len(raw)

@@ -19,6 +19,7 @@ from ember.errors import (
     EngineDeadError,
     InputError,
     OverloadedError,
+    RequestTooLargeError,
     ShuttingDownError,
 )
 
@@ -49,6 +50,8 @@ def error_response(
 
 
 def _status(exc: EmberError) -> int:
+    if isinstance(exc, RequestTooLargeError):
+        return 413
     if isinstance(exc, InputError):
         return 400
     if isinstance(exc, OverloadedError):

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
-from ember.api.encoding import bytes_response, encode
+from ember.api.encoding import bytes_response, encode, quantize
 from ember.api.metrics import Metrics
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
@@ -35,7 +35,7 @@ from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.errors import InputError
 from ember.version import __version__
 
-__all__ = ["Context", "context", "engine_call", "inference", "probes", "require_api_key"]
+__all__ = ["Context", "check_count", "context", "engine_call", "inference", "probes", "require_api_key"]
 
 
 @dataclass
@@ -99,6 +99,24 @@ async def until_disconnect(request: Request, work: Any) -> Any:
     return task.result()
 
 
+def check_count(request: Request, count: int, param: str) -> None:
+    """400 for a request with more inputs than --max-inputs-per-request, before any of them is tokenised."""
+    limit = context(request).config.max_inputs_per_request
+    if count > limit:
+        raise InputError(
+            f"{param} list length {count} exceeds the maximum allowed count of {limit}. To increase this limit, "
+            "set --max-inputs-per-request (EMBER_MAX_INPUTS_PER_REQUEST).",
+            param,
+        )
+
+
+def input_count(inputs: Any) -> int:
+    """How many inputs `input` holds: a string or one list of token ids is one."""
+    if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int):
+        return len(inputs)
+    return 1
+
+
 def _params(body: EmbeddingRequest, per_token: bool = False) -> EmbedParams:
     normalize = body.normalize if body.normalize is not None else body.use_activation
     return EmbedParams(
@@ -153,14 +171,22 @@ async def _vectors(
 ) -> Response:
     """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order
     (`per_token`: each input's (tokens, D) vectors as nested lists, or their bytes row by row)."""
+    check_count(request, input_count(body.input), "input")
     params = _params(body, per_token)
+    compact = body.embedding_type != "float"
+    if compact and body.embed_dtype != "float32":
+        raise InputError(f"embed_dtype applies to float vectors; embedding_type {body.embedding_type!r} is sent as "
+                         "its own bytes (leave embed_dtype unset)", "embed_dtype")  # fmt: skip
     ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(body.input, params))
     envelope = _envelope(ctx, request, prefix, [], tokens)
     fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
+    vectors = (
+        [quantize(v, body.embedding_type, "embedding_type") for v in result.vectors] if compact else result.vectors
+    )
     if fmt in ("bytes", "bytes_only"):
-        return bytes_response(list(result.vectors), envelope, fmt, dtype, order)
+        return bytes_response(list(vectors), envelope, fmt, dtype, order)
     envelope["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)}
-                        for i, v in enumerate(result.vectors)]  # fmt: skip
+                        for i, v in enumerate(vectors)]  # fmt: skip
     return JSONBytes(envelope)
 
 

@@ -51,6 +51,11 @@ class EmbeddingRequest(_Request):
     normalize: bool | None = None
     use_activation: bool | None = Field(None, description="accepted for vLLM compatibility; same as normalize")
     prompt_name: str | None = Field(None, description="a prompt from config_sentence_transformers.json")
+    embedding_type: Literal["float", "int8", "uint8", "binary", "ubinary"] = Field(
+        "float",
+        description="ember extension: compact codes instead of floats (as Cohere's embedding_types): int8/uint8 per "
+        "value, binary/ubinary one bit per value packed in bytes; as JSON integers, or their bytes for base64/bytes",
+    )
 
 
 PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]

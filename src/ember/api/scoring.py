@@ -11,7 +11,7 @@ import time
 from fastapi import APIRouter, Depends, Request, Response
 
 from ember.api.responses import JSONBytes, usage
-from ember.api.routes import engine_call, require_api_key
+from ember.api.routes import check_count, engine_call, require_api_key
 from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
 from ember.engine.engine import ScoreParams
 from ember.errors import InputError
@@ -32,6 +32,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     """Documents ranked by relevance to the query, best first (vLLM's response, with Cohere's `meta`)."""
     if not body.documents:
         raise InputError("'documents' must not be empty", "documents")
+    check_count(request, len(body.documents), "documents")
     texts = [_text(d) for d in body.documents]
     params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
     pairs = [(body.query, t) for t in texts]
@@ -76,6 +77,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     """A score per pair, in order (vLLM's /score)."""
     params = ScoreParams(body.truncate_prompt_tokens, None, body.use_activation, body.instruction)
     pairs = _pairs(body)
+    check_count(request, len(pairs), "text_2")
     ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.score(pairs, params))
     return JSONBytes({
         "id": f"score-{request.state.request_id}",

@@ -95,6 +95,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
     p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
     p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
+    p.add_argument(
+        "--max-inputs-per-request",
+        type=int,
+        default=_env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048),
+        help="most inputs (texts, documents, pairs) in one request before 400 (default: "
+        "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
     p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
@@ -129,6 +136,19 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="count", default=0, help=argparse.SUPPRESS)
         else:
             p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < 1:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    return value
 
 
 def warn_ignored(args: argparse.Namespace) -> None:

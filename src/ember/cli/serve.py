@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         model_path=str(loaded.plan.path),
         api_keys=api_keys(args.api_key),
         max_request_bytes=parse_bytes(args.max_request_bytes),
+        max_inputs_per_request=args.max_inputs_per_request,
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=loaded.memory.budget_bytes,
     )

@@ -22,7 +22,7 @@ from ember.config import EngineConfig, PoolerConfig
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
-from ember.errors import EmberError, EngineDeadError, InputError, ShuttingDownError
+from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
 from ember.tokenizer import Tokenizer
 from ember.types import KernelStatus, ModelInfo, Runner
 
@@ -215,7 +215,16 @@ class AsyncEngine:
         *,
         per_token: bool = False,
     ) -> Request:
-        """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed."""
+        """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed.
+        A request larger than the whole queue is refused (413): admitted into an empty queue, it would turn
+        every other client away for as long as it runs."""
+        tokens, limit = sum(len(w) for ws in windows for w in ws), self.config.max_queued_tokens
+        if tokens > limit:
+            raise RequestTooLargeError(
+                f"this request holds {tokens} tokens, more than this server queues at once ({limit}, "
+                "--max-queued-tokens as the memory plan allows): send its inputs in smaller requests",
+                "input",
+            )
         request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None
