@@ -16,7 +16,7 @@ def _modules():
 
 
 def test_the_public_api_is_exactly_what_is_meant_to_be_public():
-    assert sorted(ember.__all__) == ["Embedder", "Embeddings", "Reranker", "__version__"]
+    assert sorted(ember.__all__) == ["Embedder", "Embeddings", "Reranker", "TokenEmbeddings", "__version__"]
     for name in ember.__all__:
         assert getattr(ember, name) is not None
 

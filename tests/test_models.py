@@ -137,7 +137,7 @@ def test_encoders_match_sentence_transformers(tmp_path, kw):
 def test_matryoshka_dimensions_truncate_before_normalising(tmp_path):
     path = build_bert(tmp_path)
     full = Embedder(str(path), dtype="float32")
-    with pytest.raises(Exception, match="does not support matryoshka"):
+    with pytest.raises(Exception, match="does not support Matryoshka"):
         full.embed(["x"], dimensions=8)
     mrl = Embedder(str(path), dtype="float32", hf_overrides={"is_matryoshka": True})
     short, _ = mrl.embed(["some text"], dimensions=8)

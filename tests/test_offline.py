@@ -64,7 +64,7 @@ def test_prompts_dimensions_and_errors_are_the_servers(embedder):
     assert query.token_counts == embedder.embed("query: what is ember?").token_counts
     with pytest.raises(InputError, match="unknown prompt_name"):
         embedder.embed("x", prompt_name="passage")
-    with pytest.raises(InputError, match="does not support matryoshka"):
+    with pytest.raises(InputError, match="does not support Matryoshka"):
         embedder.embed("x", dimensions=8)
     with pytest.raises(InputError, match="maximum context length is 64 tokens"):
         embedder.embed("word " * 100)

@@ -88,7 +88,7 @@ def test_score_pairs_one_to_one_one_to_many_and_many_to_many(client, offline):
 @pytest.mark.parametrize(
     ("route", "payload", "needle"),
     [
-        ("/rerank", {"query": "q", "documents": []}, "'documents' must not be empty"),
+        ("/rerank", {"query": "q", "documents": []}, "At least one text_pair element must be given"),
         ("/rerank", {"query": "q", "documents": [3]}, "documents"),
         ("/rerank", {"documents": ["d"]}, "query"),
         ("/score", {"text_1": ["a", "b"], "text_2": ["x", "y", "z"]}, "text_1 has 2 items and text_2 3"),

@@ -215,6 +215,8 @@ def test_a_disconnected_client_s_work_is_dropped_before_it_is_computed(model_dir
             "300000",
             "--max-num-seqs",
             "8192",
+            "--max-inputs-per-request",
+            "4096",
         ],
         tmp_path / "log",
     )

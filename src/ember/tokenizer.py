@@ -121,7 +121,7 @@ class Tokenizer:
         """Raise InputError unless every id is a valid token of this vocabulary."""
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i >= self.vocab_size]
         if bad:
-            raise InputError(f"token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param)
+            raise InputError(f"Token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param)
 
 
 def _eos_id(path: Path, hf: HFTokenizer, config: dict[str, Any]) -> int | None:

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, get_args
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
@@ -20,6 +20,7 @@ from ember.api.encoding import bytes_response, encode, quantize
 from ember.api.metrics import Metrics
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
+    REMOVED_TASKS,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
@@ -27,6 +28,7 @@ from ember.api.schemas import (
     ModelList,
     PoolingRequest,
     PoolingResponse,
+    PoolingTask,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -216,6 +218,11 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     engine = context(request).engine
     supported = ("embed", "token_embed") if engine.info.task == "embed" else ()
     task = body.task or engine.preprocessor.pooler.task or "embed"
+    if task in REMOVED_TASKS:
+        raise InputError(REMOVED_TASKS[task], "task")
+    if task not in get_args(PoolingTask):
+        allowed = ", ".join(repr(t) for t in get_args(PoolingTask))
+        raise InputError(f"invalid value for 'task': Input should be one of {allowed}, got {task!r}", "task")
     if task not in supported:
         raise InputError(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
     return await _vectors(request, body, prefix="pool", kind="pooling", field="data", per_token=task == "token_embed")

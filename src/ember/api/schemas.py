@@ -10,12 +10,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "REMOVED_TASKS",
     "DetokenizeRequest",
     "DetokenizeResponse",
     "EmbeddingRequest",
     "EmbeddingResponse",
     "ModelList",
     "PoolingRequest",
+    "PoolingTask",
     "RerankRequest",
     "ScoreRequest",
     "TokenizeRequest",
@@ -59,12 +61,18 @@ class EmbeddingRequest(_Request):
 
 
 PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]
+"""vLLM's pooling tasks; ember runs embed and token_embed."""
+REMOVED_TASKS = {
+    "score": "`score` task was removed; use `classify` instead.",
+    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+}
+"""vLLM's words for the task names it dropped."""
 
 
 class PoolingRequest(EmbeddingRequest):
     """POST /pooling: an embedding request with vLLM's `task`."""
 
-    task: PoolingTask | None = Field(
+    task: str | None = Field(
         None, description="embed: a vector per input; token_embed: a vector per token (default: --pooler-config task)"
     )
 
@@ -159,7 +167,7 @@ class RerankRequest(_Request):
     documents: list[str | RerankDocument]
     top_n: int | None = Field(None, ge=0, description="the best n results; null or 0: all")
     return_documents: bool | None = Field(None, description="each result carries its document unless false")
-    max_tokens_per_doc: int | None = Field(None, ge=1, description="cut each document to this many tokens")
+    max_tokens_per_doc: int | None = Field(None, ge=0, description="cut each document to this many tokens (0: no cut)")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="cut each pair to k tokens (-1: max)")
     instruction: str | None = Field(None, description="Qwen3-Reranker's task instruction")
     use_activation: bool | None = Field(None, description="false: raw logits")
@@ -174,6 +182,7 @@ class ScoreRequest(_Request):
     text_2: str | list[str] | None = None
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
+    items: str | list[str] | None = None
     data_1: str | list[str] | None = None
     data_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)

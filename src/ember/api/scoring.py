@@ -31,7 +31,7 @@ def _text(doc: str | RerankDocument) -> str:
 async def rerank(body: RerankRequest, request: Request) -> Response:
     """Documents ranked by relevance to the query, best first (vLLM's response, with Cohere's `meta`)."""
     if not body.documents:
-        raise InputError("'documents' must not be empty", "documents")
+        raise InputError("At least one text_pair element must be given ('documents' is empty)", "documents")
     check_count(request, len(body.documents), "documents")
     texts = [_text(d) for d in body.documents]
     params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
@@ -53,21 +53,23 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
 
 
 def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
-    """vLLM's pairing: one with one, one with each of N, or N with N in order."""
+    """vLLM's pairing: one with one, one with each of N, or N with N in order (its checks, in its order)."""
     firsts = next((x for x in (body.text_1, body.queries, body.data_1) if x is not None), None)
-    seconds = next((x for x in (body.text_2, body.documents, body.data_2) if x is not None), None)
+    seconds = next((x for x in (body.text_2, body.documents, body.items, body.data_2) if x is not None), None)
     if firsts is None or seconds is None:
-        raise InputError("'text_1' and 'text_2' (or 'queries' and 'documents') are required", "text_1")
+        raise InputError("'text_1' and 'text_2' (or 'queries' and 'documents' or 'items') are required", "text_1")
     a = [firsts] if isinstance(firsts, str) else firsts
     b = [seconds] if isinstance(seconds, str) else seconds
-    if not a or not b:
-        raise InputError("'text_1' and 'text_2' must not be empty", "text_2")
+    if len(a) > 1 and len(a) != len(b):
+        raise InputError(
+            f"Input lengths must be either 1:1, 1:N or N:N (text_1 has {len(a)} items and text_2 {len(b)})", "text_2"
+        )
+    if not a:
+        raise InputError("At least one text element must be given", "text_1")
+    if not b:
+        raise InputError("At least one text_pair element must be given", "text_2")
     if len(a) == 1:
         return [(a[0], t) for t in b]
-    if len(a) != len(b):
-        raise InputError(
-            f"text_1 has {len(a)} items and text_2 {len(b)}: give one text_1, or as many as text_2", "text_2"
-        )
     return list(zip(a, b, strict=True))
 
 

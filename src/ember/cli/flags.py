@@ -85,24 +85,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--quantization", "-q", default=None, choices=["int8"], help="int8 weights, dynamic int8 activations"
     )
     p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
-    p.add_argument(
-        "--max-num-batched-tokens", type=parse_size, default=DEFAULT_BATCH_TOKENS, help="token budget of one batch"
-    )
-    p.add_argument(
-        "--batch-wait-ms", type=float, default=25.0, help="most a batch waits for more requests to join it (0: never)"
-    )
-    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
-    p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
-    p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
-    p.add_argument(
-        "--max-inputs-per-request",
-        type=int,
-        default=_env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048),
-        help="most inputs (texts, documents, pairs) in one request before 400 (default: "
-        "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
-    )
-    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    _add_limit_flags(p)
     p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
     p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
     p.add_argument(
@@ -149,6 +132,28 @@ def _env_int(name: str, default: int) -> int:
     if value < 1:
         raise ConfigError(f"{name} must be positive, got {value}")
     return value
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Batching, queueing and per-request limits."""
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
+    p.add_argument(
+        "--max-num-batched-tokens", type=parse_size, default=DEFAULT_BATCH_TOKENS, help="token budget of one batch"
+    )
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=25.0, help="most a batch waits for more requests to join it (0: never)"
+    )
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
+    p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
+    p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
+    p.add_argument(
+        "--max-inputs-per-request",
+        type=int,
+        default=_env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048),
+        help="most inputs (texts, documents, pairs) in one request before 400 (default: "
+        "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
+    )
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
 
 
 def warn_ignored(args: argparse.Namespace) -> None:

@@ -40,7 +40,7 @@ def split_inputs(inputs: Any, param: str = "input") -> list[Input]:
     if not isinstance(inputs, Sequence) or isinstance(inputs, bytes):
         raise InputError(f"'{param}' must be a string, a list of strings or a list of token ids", param)
     if len(inputs) == 0:
-        raise InputError(f"'{param}' must not be empty", param)
+        raise InputError(f"You must pass at least one prompt ('{param}' is empty)", param)
     if all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
         return [list(inputs)]
     items: list[Input] = []
@@ -72,7 +72,10 @@ def tokenize(
             out[i] = x
     for ids in out:
         if not ids:
-            raise InputError("an input is empty (zero tokens); every input needs at least one token", "input")
+            raise InputError(
+                "The decoder prompt cannot be empty: an input has zero tokens; every input needs at least one token",
+                "input",
+            )
     return out
 
 
@@ -88,25 +91,26 @@ def check_length(n_tokens: int, max_model_len: int) -> None:
 
 
 def _check_dimensions(info: ModelInfo, dimensions: int | None) -> None:
-    """Refuse `dimensions` the model cannot give, as vLLM does."""
+    """Refuse `dimensions` the model cannot give, as vLLM does and in its words (Matryoshka, range, list)."""
     if dimensions is None:
         return
     if not info.is_matryoshka:
         raise InputError(
-            f'Model "{info.name}" does not support matryoshka representation, changing output '
-            "dimensions will lead to poor results.",
+            f"Model {info.name!r} does not support Matryoshka embeddings; dimensions must be unset "
+            f"(received dimensions={dimensions}).",
             "dimensions",
         )
-    if dimensions < 1:
-        raise InputError(f"Dimensions must be greater than 0, got {dimensions}", "dimensions")
+    if not 1 <= dimensions <= info.dimension:
+        raise InputError(
+            f"Model {info.name!r} only supports dimensions in range [1, {info.dimension}], got {dimensions}.",
+            "dimensions",
+        )
     if info.matryoshka_dimensions and dimensions not in info.matryoshka_dimensions:
         raise InputError(
-            f'Model "{info.name}" only supports {list(info.matryoshka_dimensions)} matryoshka '
-            f"dimensions, using other output dimensions will lead to poor results.",
+            f"Model {info.name!r} only supports Matryoshka dimensions {list(info.matryoshka_dimensions)}, "
+            f"got {dimensions}.",
             "dimensions",
         )
-    if dimensions > info.dimension:
-        raise InputError(f"dimensions must be at most the model's {info.dimension}, got {dimensions}", "dimensions")
 
 
 class Fitted(NamedTuple):

@@ -8,12 +8,13 @@ with token types marking the document. Qwen3-Reranker reads a chat prompt (syste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
 
 from ember.engine.inputs import check_length, truncation_length
+from ember.errors import InputError
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo
 
@@ -72,6 +73,14 @@ class PairPreprocessor:
         self.info, self.tokenizer, self.auto_truncate = info, tokenizer, auto_truncate
 
     def fit(self, pairs: list[tuple[str, str]], params: ScoreParams) -> list[Pair]:
+        per_doc = params.max_tokens_per_doc
+        if per_doc is not None and per_doc >= self.info.max_model_len:
+            raise InputError(
+                f"max_tokens_per_doc ({per_doc}) must be less than max_model_len ({self.info.max_model_len}).",
+                "max_tokens_per_doc",
+            )
+        if per_doc == 0:  # vLLM's: no cut
+            params = replace(params, max_tokens_per_doc=None)
         limit = self._limit(params)
         if self.info.pair_template == "qwen3-reranker":
             built = self._qwen3(pairs, params, limit)
