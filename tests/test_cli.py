@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ember.cli.flags import add_serve_flags, check_runner, parse_size
+from ember.cli.flags import add_serve_flags, check_runner, max_inputs_per_request, parse_size
 from ember.cli.runtime import _find_allocator, parse_bytes
 from ember.errors import ConfigError
 
@@ -140,3 +140,16 @@ def test_the_kuberay_job_runs_a_command_ember_embed_accepts():
     assert head["rayStartParams"]["num-cpus"] == "0"  # actors only on the workers
     workers = spec["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert int(workers["resources"]["limits"]["cpu"]) % args.cpus_per_actor == 0  # whole actors per pod
+
+
+def test_inputs_per_request_comes_from_the_flag_else_the_env_else_2048(monkeypatch):
+    def limit(*argv):
+        return max_inputs_per_request(serve_args("m", *argv).max_inputs_per_request)
+
+    assert limit() == 2048
+    monkeypatch.setenv("EMBER_MAX_INPUTS_PER_REQUEST", "64")
+    assert limit() == 64
+    assert limit("--max-inputs-per-request", "8") == 8
+    monkeypatch.setenv("EMBER_MAX_INPUTS_PER_REQUEST", "lots")
+    with pytest.raises(ConfigError, match="EMBER_MAX_INPUTS_PER_REQUEST='lots' is not a whole number"):
+        limit()

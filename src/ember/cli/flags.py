@@ -19,6 +19,7 @@ __all__ = [
     "add_serve_flags",
     "api_keys",
     "check_runner",
+    "max_inputs_per_request",
     "parse_json_flag",
     "parse_size",
     "warn_ignored",
@@ -121,6 +122,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
+def max_inputs_per_request(flag: int | None) -> int:
+    """--max-inputs-per-request, else EMBER_MAX_INPUTS_PER_REQUEST, else 2048."""
+    return flag if flag is not None else _env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -149,7 +155,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-inputs-per-request",
         type=int,
-        default=_env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048),
+        default=None,
         help="most inputs (texts, documents, pairs) in one request before 400 (default: "
         "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
     )

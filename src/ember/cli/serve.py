@@ -12,7 +12,14 @@ from typing import Any, Literal
 
 import uvicorn
 
-from ember.cli.flags import add_serve_flags, api_keys, check_runner, parse_json_flag, warn_ignored
+from ember.cli.flags import (
+    add_serve_flags,
+    api_keys,
+    check_runner,
+    max_inputs_per_request,
+    parse_json_flag,
+    warn_ignored,
+)
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
 from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig, check_dtype
 from ember.errors import EmberError
@@ -108,7 +115,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         model_path=str(loaded.plan.path),
         api_keys=api_keys(args.api_key),
         max_request_bytes=parse_bytes(args.max_request_bytes),
-        max_inputs_per_request=args.max_inputs_per_request,
+        max_inputs_per_request=max_inputs_per_request(args.max_inputs_per_request),
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=loaded.memory.budget_bytes,
     )
