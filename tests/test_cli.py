@@ -153,3 +153,18 @@ def test_inputs_per_request_comes_from_the_flag_else_the_env_else_2048(monkeypat
     monkeypatch.setenv("EMBER_MAX_INPUTS_PER_REQUEST", "lots")
     with pytest.raises(ConfigError, match="EMBER_MAX_INPUTS_PER_REQUEST='lots' is not a whole number"):
         limit()
+
+
+def test_a_key_flag_takes_one_value_so_a_model_after_it_is_the_model():
+    a = serve_args("--api-key", "k1", "/path/to/model")
+    assert a.api_key == ["k1"] and a.model_tag == "/path/to/model"
+    a = serve_args("--api-key", "k1", "--api-key", "k2", "m")
+    assert a.api_key == ["k1", "k2"] and a.model_tag == "m"
+    check_runner(a)
+
+
+def test_a_model_swallowed_by_served_model_name_stops_the_start():
+    a = serve_args("--served-model-name", "emb", "/path/to/model")
+    with pytest.raises(ConfigError, match="put the model first"):
+        check_runner(a)
+    check_runner(serve_args("--served-model-name", "emb"))  # the default model under one name: meant

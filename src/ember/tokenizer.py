@@ -65,14 +65,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one text."""
-        ids: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            raise _not_unicode([text]) from None
         if self.append_eos and add_special_tokens and (not ids or ids[-1] != self.eos_id):
             ids.append(self.eos_id)  # type: ignore[arg-type]
         return ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel by the Rust tokenizer."""
-        encs = self._hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        try:
+            encs = self._hf.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        except TypeError:
+            raise _not_unicode(texts) from None
         out = [e.ids for e in encs]
         if self.append_eos and add_special_tokens:
             eos = self.eos_id
@@ -90,8 +96,12 @@ class Tokenizer:
         `max_second` tokens, then so that the pair fits `max_len` (the first is never cut); each distinct first
         text is encoded once."""
         firsts = {a: None for a, _ in pairs}
-        first_enc = dict(zip(firsts, self._hf.encode_batch_fast(list(firsts), add_special_tokens=False), strict=True))
-        second_enc = self._hf.encode_batch_fast([b for _, b in pairs], add_special_tokens=False)
+        try:
+            first_enc = dict(zip(firsts, self._hf.encode_batch_fast(list(firsts), add_special_tokens=False),
+                                 strict=True))  # fmt: skip
+            second_enc = self._hf.encode_batch_fast([b for _, b in pairs], add_special_tokens=False)
+        except TypeError:
+            raise _not_unicode([t for pair in pairs for t in pair]) from None
         extra = self._hf.num_special_tokens_to_add(True)
         out = []
         for (a, _), eb in zip(pairs, second_enc, strict=True):
@@ -122,6 +132,20 @@ class Tokenizer:
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i >= self.vocab_size]
         if bad:
             raise InputError(f"Token id {bad[0]} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})", param)
+
+
+def _not_unicode(texts: list[str]) -> InputError:
+    """The error for texts the tokenizer refused: a lone surrogate (JSON's "\ud800") is not Unicode text."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return InputError(
+                f"input text is not valid Unicode: it holds a lone surrogate {text[e.start]!r} at character "
+                f"{e.start}; send UTF-8 text",
+                "input",
+            )
+    return InputError("input text could not be tokenized: it is not a string", "input")
 
 
 def _eos_id(path: Path, hf: HFTokenizer, config: dict[str, Any]) -> int | None:

@@ -55,5 +55,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     app.include_router(cohere)
     app.include_router(invocations)
     app.include_router(probes)
-    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes)
+    protected = {route.path for router in (inference, scoring, cohere, invocations) for route in router.routes}  # type: ignore[attr-defined]
+    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
+                       api_keys=config.api_keys, protected=protected)  # fmt: skip
     return app

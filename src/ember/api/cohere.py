@@ -59,7 +59,7 @@ class _Input(BaseModel):
 class CohereEmbedRequest(BaseModel):
     """POST /v2/embed."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     texts: list[str] | None = None

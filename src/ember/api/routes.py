@@ -7,7 +7,6 @@ behind the API key; probes and /metrics stay open.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -18,6 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
 from ember.api.encoding import bytes_response, encode, quantize
 from ember.api.metrics import Metrics
+from ember.api.middleware import key_matches
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
     REMOVED_TASKS,
@@ -68,9 +68,7 @@ async def require_api_key(request: Request) -> None:
     keys = context(request).config.api_keys
     if not keys:
         return
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+    if not key_matches(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""), keys):
         raise HTTPException(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -28,7 +28,8 @@ Input = str | list[str] | list[int] | list[list[int]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+    """Strict: `true` is not the token id 1, `"8"` is not the number 8, `"yes"` is not true (400 instead)."""
 
 
 class EmbeddingRequest(_Request):
@@ -155,7 +156,7 @@ class ModelList(BaseModel):
 
 
 class RerankDocument(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     text: str
 
 

@@ -78,7 +78,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--api-key", action="extend", nargs="+", default=[], help="accepted key(s): Authorization: Bearer or x-api-key"
+        "--api-key",
+        action="append",
+        default=[],
+        help="an accepted key (Authorization: Bearer or x-api-key); repeat the flag for several",
     )
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; first is reported")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 (float16/half run as bfloat16) or int8")
@@ -169,7 +172,14 @@ def warn_ignored(args: argparse.Namespace) -> None:
 
 
 def check_runner(args: argparse.Namespace) -> None:
-    """Refuse anything but a pooling runner (embed or score: the checkpoint decides), saying why."""
+    """Refuse anything but a pooling runner (embed or score: the checkpoint decides), saying why; and a command
+    line whose model may have been read as a served name (the default model would be served under it)."""
+    names = args.served_model_name or []
+    if args.model is None and args.model_tag is None and len(names) > 1:
+        raise ConfigError(
+            f"no model given, and --served-model-name took {len(names)} values ({', '.join(names)}): if the last is "
+            "the model, put the model first (ember serve MODEL --served-model-name NAME) or use --model"
+        )
     task = (args.task or "").lower()
     if args.runner in ("generate", "draft") or task in ("generate", "transcription", "draft"):
         raise ConfigError(
