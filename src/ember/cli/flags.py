@@ -163,6 +163,21 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
     )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections before new ones are closed at once (default: 2048, or fewer if file descriptors are)",
+    )
+    p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may stall while sending its request's headers or body before it is disconnected",
+    )
+    p.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection is kept (uvicorn)"
+    )
 
 
 def warn_ignored(args: argparse.Namespace) -> None:

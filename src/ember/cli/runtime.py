@@ -6,6 +6,7 @@ Environment variables are read here (and in flags.py) and nowhere else in ember.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from ember.hardware import ISA_TIERS, isa_tier, limit_isa, native_cpu_flags, one
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
-__all__ = ["cap_isa", "native_config", "parse_bytes", "prepare_process"]
+__all__ = ["cap_isa", "connection_limit", "native_config", "parse_bytes", "prepare_process"]
 
 
 log = logging.getLogger("ember.cli")
@@ -69,6 +70,25 @@ def maybe_reexec_with_allocator(argv: list[str], program: list[str] | None = Non
     env[_REEXEC_MARK] = lib
     command = [*(program or [sys.executable, "-m", "ember.cli.main"]), *argv]
     os.execve(command[0], command, env)
+
+
+def connection_limit(asked: int | None) -> int:
+    """--max-connections, else 2048; raises the open-file soft limit to its hard limit first, and never lets the
+    connections take more descriptors than that leaves (128 kept for the model, logs and the tokenizer)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    room = max(16, soft - 128)
+    if asked is not None and asked < 1:
+        raise ConfigError(f"--max-connections must be positive, got {asked}")
+    if asked is not None and asked > room:
+        log.warning("--max-connections %d lowered to %d: the process may open %d files", asked, room, soft)
+    return min(asked if asked is not None else 2048, room)
 
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:

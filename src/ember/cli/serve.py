@@ -20,7 +20,13 @@ from ember.cli.flags import (
     parse_json_flag,
     warn_ignored,
 )
-from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
+from ember.cli.runtime import (
+    connection_limit,
+    maybe_reexec_with_allocator,
+    native_config,
+    parse_bytes,
+    prepare_process,
+)
 from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig, check_dtype
 from ember.errors import EmberError
 
@@ -90,6 +96,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     """The wiring, in order: model (tokenizer, weights, memory plan), engine, server configuration, app, uvicorn."""
     # torch is imported only now, after prepare_process has set the threads and the allocator
     from ember.api.app import create_app
+    from ember.api.transport import guarded_protocol
     from ember.engine.build import build_engine, load
     from ember.engine.cpu import set_threads
 
@@ -121,6 +128,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     )
     app = create_app(engine, server)
     log.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    connections = connection_limit(args.max_connections)
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
@@ -128,6 +136,8 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=guarded_protocol(connections, args.http_read_timeout),
     )
     _Server(uvicorn_config).run()
     return 0

@@ -1,0 +1,103 @@
+"""Connections at the transport: a cap on how many are open, and a read timeout while a request is being sent.
+
+uvicorn gives every accepted connection a file descriptor for as long as the client keeps it, and waits forever
+for headers or a body that never finish: ~20,000 idle half-sent connections exhaust the descriptors, and then even
+/health times out. `guarded_protocol` wraps uvicorn's HTTP protocol (httptools or h11) so that:
+
+- at `max_connections`, a new connection evicts the connection that has waited longest for its request's bytes
+  (half-sent headers, a stalled body, an idle keep-alive), so a probe or a real client still gets in while someone
+  holds connections open; when every connection is computing a request, the new one is closed instead. Either way,
+  one warning per 10 s with a count, never a traceback per connection;
+- a connection that stalls for `read_timeout` seconds while the server waits for its request (headers, or a body
+  not yet complete) is closed. A connection whose request is being computed is never timed out; an idle one
+  between requests is uvicorn's keep-alive timeout's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+__all__ = ["guarded_protocol"]
+
+log = logging.getLogger("ember.api")
+
+_WARN_EVERY = 10.0
+
+
+class _Refusals:
+    """Connections refused since the last warning, for one warning per _WARN_EVERY seconds."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last = -_WARN_EVERY
+
+    def note(self, limit: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= _WARN_EVERY:
+            log.warning(
+                "closed %d connection(s) beyond --max-connections %d (the longest-waiting half-sent or idle ones "
+                "first)", self.count, limit,
+            )  # fmt: skip
+            self.count, self.last = 0, now
+
+
+def guarded_protocol(max_connections: int, read_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with the connection cap and read timeout above."""
+    refusals = _Refusals()
+    base: Any = AutoHTTPProtocol
+
+    class Guarded(base):
+        _read_timer: asyncio.TimerHandle | None = None
+        _waiting_since = 0.0  # when the connection last began to wait for request bytes
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._waiting_since = time.monotonic()
+            if len(self.connections) > max_connections:
+                refusals.note(max_connections)
+                victim = min(
+                    (c for c in self.connections if isinstance(c, Guarded) and c is not self and c._waiting()),
+                    key=lambda c: c._waiting_since,
+                    default=None,
+                )
+                if victim is None:
+                    self.connections.discard(self)
+                    transport.abort()
+                    return
+                victim.connections.discard(victim)
+                victim.transport.abort()
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            super().connection_lost(exc)
+
+        def _waiting(self) -> bool:
+            """Waiting for the client: no request yet, between requests, or a body not yet whole."""
+            cycle = self.cycle
+            return cycle is None or cycle.response_complete or cycle.more_body
+
+        def _arm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            if not self._waiting():
+                self._waiting_since = time.monotonic()
+            self._read_timer = self.loop.call_later(read_timeout, self._stalled)
+
+        def _stalled(self) -> None:
+            self._read_timer = None
+            if self._waiting() and not self.transport.is_closing():
+                self.transport.close()
+
+    return Guarded
