@@ -279,3 +279,40 @@ def test_ember_bench_sends_the_key_and_skips_workloads_the_model_cannot_take(ser
     lines = out.stdout.strip().splitlines()
     assert lines[0] == f"skipped long: its inputs reach 8000 tokens, over {NAME}'s max_model_len 64"
     assert lines[1].startswith("queries:") and "tok/s" in lines[1]
+
+
+def test_sigterm_drain_keeps_its_grace_and_answers_the_rest_503(tmp_path):
+    """More queued work than the grace can finish: the process exits within grace + 2 s, every client gets a
+    200 or an OpenAI-shaped 503 (no plain 500, no traceback), and the work nobody will receive is dropped."""
+    grace = 4.0
+    srv = Server(["--dtype", "float32", "--shutdown-grace", str(grace)], tmp_path / "log")  # the bundled MiniLM
+    statuses, bodies = [], []
+
+    def client(i):
+        texts = [f"document {i}-{j} " + "word " * 240 for j in range(16)]
+        try:
+            r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60)
+            statuses.append(r.status_code)
+            bodies.append(r.json())
+        except httpx.HTTPError as e:  # a connection closed by the exiting server
+            statuses.append(type(e).__name__)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _metric(srv.url, "ember_queue_requests") < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    elapsed = time.monotonic() - start
+    for t in threads:
+        t.join(30)
+    assert elapsed <= grace + 2 + 1, elapsed  # + 1 s for the interpreter to go
+    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    for status, body in zip(statuses, bodies, strict=False):
+        if status == 503:
+            assert body["error"]["type"] == "ServiceUnavailableError"
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "answered 503" in log, log

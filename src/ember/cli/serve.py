@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import math
+import os
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -139,14 +143,26 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         timeout_keep_alive=args.timeout_keep_alive,
         http=guarded_protocol(connections, args.http_read_timeout),
     )
-    _Server(uvicorn_config).run()
+    server_ = _Server(uvicorn_config, on_exit=lambda: engine.drain(args.shutdown_grace))
+    server_.run()
+    if engine.model_busy:  # a batch nobody will receive is still running: do not wait for it to exit
+        log.info("exiting with a batch still on the model thread (its requests were answered 503)")
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but a drained SIGTERM is a clean exit (status 0), as orchestrators expect."""
+    """uvicorn's server, but SIGTERM starts the engine's drain at once (new requests 503, the grace counted from
+    now), and a drained SIGTERM is a clean exit (status 0), as orchestrators expect."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):  # the loop may already be closed
+            asyncio.get_event_loop().call_soon_threadsafe(self._on_exit)
         if sig == signal.SIGTERM:
             getattr(self, "_captured_signals", []).clear()  # uvicorn would re-raise it after draining

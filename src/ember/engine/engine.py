@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 2048
 """Requests up to this many characters (or token ids) are tokenised on the event loop itself."""
 
+DRAIN_MARGIN_SECONDS = 0.5
+"""A drain answers what is still unfinished this long before its grace ends, so those answers go out in time."""
+
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
 
@@ -82,6 +85,10 @@ class AsyncEngine:
         self.kernels: dict[str, KernelStatus] = {}
         """What each kernel does now (native ones and torch.compile's fused regions), for logs, /info, /metrics."""
         self._futures: dict[int, asyncio.Future[None]] = {}  # id(Request) -> its caller's future
+        self._waiting: dict[int, Request] = {}  # id(Request) -> the request, while its caller waits
+        self._drain_deadline: float | None = None
+        self.model_busy = False
+        """True while a batch runs on the model thread (a drain does not wait for one nobody will receive)."""
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.closing = False
@@ -144,16 +151,39 @@ class AsyncEngine:
         self.kernels["fused"] = KernelStatus("fused", True, f"torch.compile regions, built in {seconds:.1f}s")
         log.info("fused kernels compiled in %.1fs; serving with them", seconds)
 
-    async def stop(self, grace_seconds: float = 30.0) -> None:
-        """Refuse new work, let queued and running requests finish (up to the grace period), stop."""
+    def drain(self, grace_seconds: float) -> None:
+        """Begin a drain (SIGTERM): refuse new work at once (503), finish what is queued and running, and at the
+        end of the grace answer whatever is still unfinished with 503, dropping its queued work. Call on the loop."""
+        if self._drain_deadline is not None:
+            return
         self.closing = True
-        deadline = time.monotonic() + grace_seconds
-        while self.scheduler.queued_requests and time.monotonic() < deadline:
+        self._drain_deadline = time.monotonic() + grace_seconds
+        asyncio.get_running_loop().call_later(max(0.0, grace_seconds - DRAIN_MARGIN_SECONDS), self._abandon)
+
+    def _abandon(self) -> None:
+        """Fail every request still waiting (its queued windows are then never computed)."""
+        error = ShuttingDownError("the server shut down before this request was computed (--shutdown-grace ran out)")
+        left = [r for r in self._waiting.values() if not r.done]
+        for request in left:
+            request.failed = error
+        if left:
+            log.warning("shutdown grace over: %d unfinished request(s) answered 503", len(left))
+        self._settle(left)
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        """Refuse new work, let queued and running requests finish (up to the grace period, counted from the
+        drain's start if one began), answer the rest 503, stop. A batch still on the model thread is not waited
+        for: nobody is left to receive it."""
+        self.drain(grace_seconds)
+        assert self._drain_deadline is not None
+        while self.scheduler.queued_requests and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
+        self._abandon()
+        await asyncio.sleep(0)  # let the failed callers answer
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._model_thread.shutdown(wait=True, cancel_futures=True)
+        self._model_thread.shutdown(wait=not self.model_busy, cancel_futures=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -227,12 +257,13 @@ class AsyncEngine:
             )
         request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
+        self._waiting[id(request)] = request
         assert self._wakeup is not None
         self._wakeup.set()
         try:
             await future
         finally:
-            del self._futures[id(request)]
+            del self._futures[id(request)], self._waiting[id(request)]
             self.scheduler.release(request)
         return request
 
@@ -269,7 +300,7 @@ class AsyncEngine:
         tokens = sum(len(it.ids) for it in batch)
         self.running_seqs, self.running_tokens = len(batch), tokens
         try:
-            out = await loop.run_in_executor(self._model_thread, self.runner.embed, *batch_inputs(batch))
+            out = await loop.run_in_executor(self._model_thread, self._forward, *batch_inputs(batch))
         except Exception as e:  # the model failed on this batch: fail its requests, keep serving
             log.exception("batch of %d sequences failed", len(batch))
             error = e if isinstance(e, EmberError) else EmberError(f"embedding failed: {e}")
@@ -281,6 +312,14 @@ class AsyncEngine:
         if self.observer is not None:
             self.observer(len(batch), tokens, end - start)
         self._settle(self.scheduler.complete(batch, out, end - start, end))
+
+    def _forward(self, *inputs: Any) -> Any:
+        """One batch on the model thread (model_busy while it runs)."""
+        self.model_busy = True
+        try:
+            return self.runner.embed(*inputs)
+        finally:
+            self.model_busy = False
 
     def _settle(self, requests: list[Request]) -> None:
         for request in requests:
