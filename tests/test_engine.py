@@ -115,6 +115,24 @@ def test_overload_is_refused_at_once_with_retry_after(runner, tokenizer):
     run(main())
 
 
+def test_a_clients_timeout_shorter_than_the_wait_is_refused_at_once(runner, tokenizer):
+    async def main():
+        engine = await _started(runner, tokenizer, seconds_per_token=0.1)
+        runner.gate.clear()
+        held = asyncio.create_task(engine.embed([[3] * 30] * 4))  # 12 s of work at the assumed cost
+        await until(lambda: engine.running_seqs == 4)  # on the model thread (held there by the gate)
+        with pytest.raises(OverloadedError) as e:
+            await engine.embed([[3] * 10], timeout=5.0)
+        assert e.value.retry_after >= 1
+        queued = asyncio.create_task(engine.embed([[3] * 10], timeout=60.0))  # within its own limit: admitted
+        await until(lambda: engine.queued_requests == 2)
+        runner.gate.set()
+        await asyncio.gather(held, queued)
+        await engine.stop()
+
+    run(main())
+
+
 def test_model_failure_fails_only_that_batch(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer)

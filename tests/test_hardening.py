@@ -115,3 +115,10 @@ def test_a_client_that_leaves_mid_body_is_counted_as_499_not_400():
     asyncio.run(EdgeMiddleware(app, metrics, 1000)(scope, receive, send))
     assert metrics.requests.labels("/v1/embeddings", "499")._value.get() == 1
     assert metrics.requests.labels("/v1/embeddings", "400")._value.get() == 0
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "0", "inf", "nan"])
+def test_a_bad_request_timeout_header_is_a_400_naming_it(client, value):
+    r = client.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-timeout": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+    assert client.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-timeout": "2.5"}).status_code == 200

@@ -177,6 +177,11 @@ class EngineConfig:
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
+    max_queue_seconds: float = 30.0
+    """Admission by time (--max-queue-seconds): a request whose estimated wait (the queued work that runs before
+    it, earliest deadline first, plus its own, at the measured cost per token) exceeds this gets 429 with a
+    Retry-After of the excess, unless the queue is empty. A client's own X-Request-Timeout lowers it for that
+    request. Overload then gets prompt 429s rather than answers computed for clients that have given up."""
     batch_wait_seconds: float = 0.025
     """Before starting a batch that is not full (or a long window alone), wait up to this long for more
     requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),

@@ -126,7 +126,9 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     prompt = _prompt(body.input_type, context(request).engine.info.prompts)
     params = EmbedParams(dimensions=body.output_dimension, truncate_prompt_tokens=truncate, truncation_side=side,
                          **prompt)  # fmt: skip
-    _, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(texts, params))
+    _, result, tokens = await engine_call(
+        request, body.model, lambda engine, timeout: engine.embed(texts, params, timeout=timeout)
+    )
     if body.truncate == "NONE" and body.max_tokens is not None:
         longest = max(result.token_counts)
         if longest > body.max_tokens:

@@ -110,6 +110,21 @@ def check_count(request: Request, count: int, param: str) -> None:
         )
 
 
+def client_timeout(request: Request) -> float | None:
+    """The client's own limit from `X-Request-Timeout` (seconds): a request that would wait longer is refused at
+    once with 429 instead of being computed for a client that has gone."""
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise InputError(f"X-Request-Timeout must be a positive number of seconds, got {raw!r}", "X-Request-Timeout")
+    return value
+
+
 def input_count(inputs: Any) -> int:
     """How many inputs `input` holds: a string or one list of token ids is one."""
     if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int):
@@ -147,14 +162,15 @@ R = TypeVar("R", bound=Outcome)
 
 
 async def engine_call(
-    request: Request, model: str | None, work: Callable[[AsyncEngine], Coroutine[Any, Any, R]]
+    request: Request, model: str | None, work: Callable[[AsyncEngine, float | None], Coroutine[Any, Any, R]]
 ) -> tuple[Context, R, int]:
     """Check `model`, run `work` on the engine (dropped if the client goes away: 499), and record its tokens and
     times for the access log and /metrics; returns the context, the result and its tokens."""
     ctx = context(request)
     ctx.check_model(model)
+    timeout = client_timeout(request)
     try:
-        result: R = await until_disconnect(request, work(ctx.engine))
+        result: R = await until_disconnect(request, work(ctx.engine, timeout))
     except ClientGone:
         raise HTTPException(499, "client closed the request") from None
     tokens = sum(result.token_counts)
@@ -177,7 +193,9 @@ async def _vectors(
     if compact and body.embed_dtype != "float32":
         raise InputError(f"embed_dtype applies to float vectors; embedding_type {body.embedding_type!r} is sent as "
                          "its own bytes (leave embed_dtype unset)", "embed_dtype")  # fmt: skip
-    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.embed(body.input, params))
+    ctx, result, tokens = await engine_call(
+        request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
+    )
     envelope = _envelope(ctx, request, prefix, [], tokens)
     fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
     vectors = (

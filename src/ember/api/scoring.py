@@ -36,7 +36,9 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     texts = [_text(d) for d in body.documents]
     params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
     pairs = [(body.query, t) for t in texts]
-    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.score(pairs, params))
+    ctx, result, tokens = await engine_call(
+        request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
+    )
     order = sorted(range(len(texts)), key=lambda i: -result.scores[i])[: body.top_n or None]
     results = [
         {"index": i, "relevance_score": result.scores[i]}
@@ -80,7 +82,9 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     params = ScoreParams(body.truncate_prompt_tokens, None, body.use_activation, body.instruction)
     pairs = _pairs(body)
     check_count(request, len(pairs), "text_2")
-    ctx, result, tokens = await engine_call(request, body.model, lambda engine: engine.score(pairs, params))
+    ctx, result, tokens = await engine_call(
+        request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
+    )
     return JSONBytes({
         "id": f"score-{request.state.request_id}",
         "object": "list",

@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     engine_config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
+        max_queue_seconds=args.max_queue_seconds,
         auto_truncate=args.truncate,
         batch_wait_seconds=args.batch_wait_ms / 1000,
         compile_kernels=_compile_kernels(args.enforce_eager),

@@ -190,8 +190,11 @@ class AsyncEngine:
         """Run tokenizer work off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def embed(self, inputs: Any, params: EmbedParams | None = None) -> EmbedResult:
-        """Embed inputs (texts or token ids); raises EmberError subclasses for bad input or overload."""
+    async def embed(
+        self, inputs: Any, params: EmbedParams | None = None, *, timeout: float | None = None
+    ) -> EmbedResult:
+        """Embed inputs (texts or token ids); raises EmberError subclasses for bad input or overload. `timeout`:
+        the client's own limit in seconds, refused at once (429) when the estimated wait exceeds it."""
         params = params or EmbedParams()
         self._check_accepting()
         if self.info.task != "embed":
@@ -205,35 +208,37 @@ class AsyncEngine:
         fit = self.preprocessor.fit
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
         request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted],
-                                          per_token=params.per_token)  # fmt: skip
+                                          per_token=params.per_token, timeout=timeout)  # fmt: skip
         return EmbedResult(
             self.preprocessor.vectors(request.windows, request.pooled, prepared),
             request.token_counts,
             *self._times(request),
         )
 
-    async def score(self, pairs: list[tuple[str, str]], params: ScoreParams | None = None) -> ScoreResult:
+    async def score(
+        self, pairs: list[tuple[str, str]], params: ScoreParams | None = None, *, timeout: float | None = None
+    ) -> ScoreResult:
         """A relevance score per (query, document) pair: the cross-encoder's (or reranker's), or for an embedding
         model the cosine of the two texts' embeddings."""
         params = params or ScoreParams()
         self._check_accepting()
         if self.info.task == "embed":
-            return await self._cosine(pairs, params)
+            return await self._cosine(pairs, params, timeout)
         self.scheduler.check_room()
         small = sum(len(a) + len(b) for a, b in pairs) <= _INLINE_TOKENIZE_CHARS
         fit = self.pairs.fit
         built = fit(pairs, params) if small else await self.run_in_tokenizer(fit, pairs, params)
         request = await self._run_request(
-            [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built]
+            [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built], timeout=timeout
         )
         scores = [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]
         return ScoreResult(scores, request.token_counts, *self._times(request))
 
-    async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams) -> ScoreResult:
+    async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams, timeout: float | None) -> ScoreResult:
         """An embedding model's score: each distinct text embedded once, then the cosine of each pair's vectors."""
         texts = distinct_texts(pairs)
         embed = EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
-        result = await self.embed(texts, embed)
+        result = await self.embed(texts, embed, timeout=timeout)
         scores, counts = cosine_scores(pairs, texts, result.vectors, result.token_counts)
         return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds)
 
@@ -244,6 +249,7 @@ class AsyncEngine:
         types: list[list[list[int]]] | None = None,
         *,
         per_token: bool = False,
+        timeout: float | None = None,
     ) -> Request:
         """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed.
         A request larger than the whole queue is refused (413): admitted into an empty queue, it would turn
@@ -255,7 +261,7 @@ class AsyncEngine:
                 "--max-queued-tokens as the memory plan allows): send its inputs in smaller requests",
                 "input",
             )
-        request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token)
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token, timeout)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
         self._waiting[id(request)] = request
         assert self._wakeup is not None

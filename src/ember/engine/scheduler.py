@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.queued_tokens = 0
         self._heap: list[WorkItem] = []
         self._heap_tokens = 0
+        self._running_tokens = 0  # tokens of the batch formed and not yet completed
         self._waiting = 0  # requests with work in the queue
         self._peaks: deque[tuple[float, int]] = deque()  # (time, requests in flight), counts decreasing
         self._last_arrival = -float("inf")
@@ -102,12 +104,19 @@ class Scheduler:
         if self.queued_requests >= self.config.max_queued_requests:
             raise self.overloaded()
 
-    def overloaded(self) -> OverloadedError:
-        wait = max(1.0, self.queued_tokens * self.seconds_per_token)
+    def overloaded(self, wait: float | None = None) -> OverloadedError:
+        """429: the queue is full; retry after `wait` seconds (default: the time the whole queue takes)."""
+        wait = max(1.0, self.queued_tokens * self.seconds_per_token if wait is None else wait)
         return OverloadedError(
             f"server overloaded: {self.queued_requests} requests and {self.queued_tokens} tokens queued; retry later",
-            retry_after=round(wait),
+            retry_after=math.ceil(wait),
         )
+
+    def wait_before(self, deadline: float) -> float:
+        """Estimated seconds of work that runs before a request with this deadline: the running batch, and the
+        queued work due earlier (EDF order)."""
+        ahead = sum(len(it.ids) for it in self._heap if it.deadline <= deadline and not it.request.cancelled)
+        return (ahead + self._running_tokens) * self.seconds_per_token
 
     def admit(
         self,
@@ -116,9 +125,11 @@ class Scheduler:
         now: float,
         token_types: list[list[list[int]]] | None = None,
         per_token: bool = False,
+        max_seconds: float | None = None,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
-        queue's budgets are spent. `per_token`: the request wants every token's state, not pooled vectors."""
+        queue's budgets are spent or its estimated wait is over max_queue_seconds (or its own `max_seconds`, the
+        client's timeout). `per_token`: the request wants every token's state, not pooled vectors."""
         pending = sum(len(ws) for ws in windows)
         request = Request(windows, token_counts, now, pending, token_types, per_token)
         cfg = self.config
@@ -126,6 +137,12 @@ class Scheduler:
             self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
         ):
             raise self.overloaded()
+        if self.queued_requests > 0:  # an empty queue admits anything its budgets hold: it could never wait less
+            own = request.tokens * self.seconds_per_token
+            bound = cfg.max_queue_seconds if max_seconds is None else min(max_seconds, cfg.max_queue_seconds)
+            wait = self.wait_before(now + own) + own
+            if wait > bound:
+                raise self.overloaded(wait - bound)
         self.queued_requests += 1
         self.queued_tokens += request.tokens
         while self._peaks and self._peaks[-1][1] <= self.queued_requests:
@@ -191,6 +208,7 @@ class Scheduler:
         for item in batch:
             if item.request.first_batch is None:
                 item.request.first_batch = now
+        self._running_tokens = tokens
         return batch
 
     def _pop(self) -> WorkItem:
@@ -212,6 +230,7 @@ class Scheduler:
     ) -> list[Request]:
         """Record a batch's pooled rows (or token states); returns the requests it finished."""
         self._last_batch_end = now
+        self._running_tokens = 0
         tokens = sum(len(it.ids) for it in batch)
         self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / max(1, tokens)
         for request in {id(it.request): it.request for it in batch}.values():
@@ -230,6 +249,7 @@ class Scheduler:
     def fail(self, batch: list[WorkItem], error: BaseException, now: float) -> list[Request]:
         """The model failed on this batch: its requests fail (and nothing else); returns them."""
         self._last_batch_end = now
+        self._running_tokens = 0
         failed = []
         for request in {id(it.request): it.request for it in batch}.values():
             if request.failed is None and request.pending > 0:
