@@ -99,3 +99,10 @@ def test_a_request_larger_than_the_whole_queue_is_413_and_never_admitted(runner,
         r = c.post("/v1/embeddings", json={"input": ["fits"] * 4})  # the queue was never taken
         assert r.status_code == 200 and len(r.json()["data"]) == 4
         assert np.isfinite(np.asarray(r.json()["data"][0]["embedding"])).all()
+
+
+def test_tokenize_has_the_same_per_request_bound(runner, tokenizer):
+    with _client(runner, tokenizer, queued=40) as c:
+        r = c.post("/tokenize", json={"prompt": "word " * 100, "return_token_strs": True})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
+        assert c.post("/tokenize", json={"prompt": "word " * 10}).json()["count"] == 12

@@ -34,7 +34,7 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams
-from ember.errors import InputError
+from ember.errors import InputError, RequestTooLargeError
 from ember.version import __version__
 
 __all__ = ["Context", "check_count", "context", "engine_call", "inference", "probes", "require_api_key"]
@@ -250,6 +250,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     ctx.check_model(body.model)
     tok = ctx.engine.tokenizer
     ids: list[int] = await ctx.engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
+    limit = ctx.engine.config.max_queued_tokens
+    if len(ids) > limit:  # the same bound as one embedding request, before the token strings and the JSON
+        raise RequestTooLargeError(
+            f"this prompt holds {len(ids)} tokens, more than one request may ({limit}, --max-queued-tokens as the "
+            "memory plan allows)",
+            "prompt",
+        )
     strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.info.max_model_len, tokens=ids, token_strs=strs)
 
