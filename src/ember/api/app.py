@@ -14,6 +14,7 @@ from ember.api.errors import install_error_handlers
 from ember.api.invocations import invocations
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
+from ember.api.openapi import install_openapi
 from ember.api.routes import Context, inference, probes
 from ember.api.scoring import scoring
 from ember.config import ServerConfig
@@ -50,6 +51,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
     engine.observer = metrics.observe_batch
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(inference)
     app.include_router(scoring)
     app.include_router(cohere)

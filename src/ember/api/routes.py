@@ -287,7 +287,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 @probes.get("/health")
 @probes.get("/ping")
-@probes.post("/ping", include_in_schema=False)
+@probes.post("/ping")
 async def health(request: Request) -> Response:
     """200 while the engine can embed; 503 once it cannot (or while draining)."""
     engine = context(request).engine

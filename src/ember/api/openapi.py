@@ -1,0 +1,85 @@
+"""The OpenAPI document as the server really answers: 400 (never FastAPI's 422) with the OpenAI error body, the
+other error statuses each route can give, empty bodies for /health and /ping, text for /metrics, and the request
+types /invocations takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from ember.api.schemas import EmbeddingRequest, RerankRequest, ScoreRequest
+
+__all__ = ["install_openapi"]
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+_INFERENCE_ERRORS = {
+    "400": "Invalid request (field, value, length, or not JSON)",
+    "401": "Missing or wrong API key",
+    "404": "`model` is not a served name",
+    "413": "Body or request larger than the server takes",
+    "429": "Overloaded: retry after `Retry-After` seconds",
+    "499": "The client closed the request",
+    "503": "Draining, or the engine has stopped",
+}
+_EMPTY = {"200": {"description": "The engine can embed"}, "503": {"description": "Draining or stopped"}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    body = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+    return {"description": description, "content": {"application/json": body}}
+
+
+def _fix(schema: dict[str, Any]) -> None:
+    schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = _ERROR
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(name, None)
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            if path in ("/health", "/ping"):
+                op["responses"] = dict(_EMPTY)
+            elif path == "/metrics":
+                op["responses"] = {"200": {"description": "Prometheus text", "content": {"text/plain": {}}}}
+            elif method == "post":
+                if path in ("/v1/embeddings", "/pooling", "/invocations"):  # encoding_format bytes / bytes_only
+                    content = responses.setdefault("200", {"description": "OK"}).setdefault("content", {})
+                    content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
+                responses.update({status: _error(text) for status, text in _INFERENCE_ERRORS.items()})
+            elif path == "/v1/models":
+                responses["401"] = _error(_INFERENCE_ERRORS["401"])
+    invocations = schema["paths"].get("/invocations", {}).get("post")
+    if invocations is not None:
+        refs = [{"$ref": f"#/components/schemas/{kind.__name__}"} for kind in (EmbeddingRequest, RerankRequest,
+                                                                               ScoreRequest)]  # fmt: skip
+        invocations["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"oneOf": refs}}}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the corrected document at /openapi.json (built once, on first request)."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _fix(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = build  # type: ignore[method-assign]
