@@ -106,3 +106,13 @@ def test_tokenize_has_the_same_per_request_bound(runner, tokenizer):
         r = c.post("/tokenize", json={"prompt": "word " * 100, "return_token_strs": True})
         assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
         assert c.post("/tokenize", json={"prompt": "word " * 10}).json()["count"] == 12
+
+
+def test_a_request_whose_answer_outgrows_the_memory_plan_is_413(runner, tokenizer):
+    engine = AsyncEngine(runner, tokenizer, EngineConfig(max_queued_vectors=4), None)
+    with TestClient(create_app(engine, ServerConfig(served_model_names=("m",)))) as c:
+        r = c.post("/v1/embeddings", json={"input": ["a"] * 5})
+        assert r.status_code == 413 and "memory plan keeps for answers (4)" in r.json()["error"]["message"]
+        r = c.post("/pooling", json={"input": "one two three four five", "task": "token_embed"})
+        assert r.status_code == 413  # 7 token vectors
+        assert c.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200

@@ -2,6 +2,10 @@
 serves with the fallbacks and says so; a cached library that is not what was built is rebuilt, not loaded."""
 
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,3 +72,65 @@ def test_the_cache_key_changes_with_the_compile_command(tmp_path, compiler, monk
     monkeypatch.setattr(native, "_compile_command", lambda *a: [*command(*a), "-DEMBER_OTHER_FLAGS"])
     second, how = native._library(compiler, source, tmp_path)
     assert second != first and how == "built into"
+
+
+def _kernels(srv):
+    for _ in range(600):
+        kernels = httpx.get(srv.url + "/info").json()["kernels"]
+        if set(SWITCHES) <= set(kernels):
+            return kernels
+        time.sleep(0.1)
+    raise AssertionError("the kernels never reported")
+
+
+def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, compiler):
+    """`ember build-kernels` at image build; then a server whose PATH has no compiler loads them at start."""
+    from ember.hardware import cpu_flags, isa_tier
+
+    cache = tmp_path / "baked"
+    done = subprocess.run([sys.executable, "-m", "ember.cli.main", "build-kernels", "--cache-dir", str(cache),
+                           "--tier", "avx512_bf16"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    libraries = sorted(p.name for p in cache.glob("*.so"))
+    assert [n.split("-")[0] for n in libraries] == ["ember_attention", "ember_elementwise", "ember_int8_gemm"]
+    assert all((cache / (n + ".sha256")).is_file() for n in libraries)
+    if isa_tier(cpu_flags()) not in ("amx", "avx512_bf16"):
+        pytest.skip("this CPU cannot run the AVX-512 BF16 build (it was built all the same)")
+    model = build_bert(tmp_path / "bert", layers=1, hidden=64)
+    no_compiler = {"PATH": str(Path(sys.executable).parent), "CXX": "", "EMBER_CACHE_DIR": str(cache)}
+    no_compiler |= {switch: "1" for switch in SWITCHES.values()}  # the test servers keep them off by default
+    srv = Server([str(model), "--dtype", "bfloat16", "--quantization", "int8"], tmp_path / "log", env=no_compiler)
+    try:
+        kernels = _kernels(srv)
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": ["prebuilt kernels serve"]})
+    finally:
+        srv.stop()
+    for name in SWITCHES:
+        assert kernels[name]["active"] is True, kernels[name]
+        assert f"prebuilt, loaded from {cache}" in kernels[name]["detail"]
+    assert r.status_code == 200
+    assert sorted(p.name for p in cache.glob("*.so")) == libraries  # nothing else was built
+
+
+def test_with_no_compiler_and_nothing_prebuilt_the_log_says_how_to_get_them(tmp_path, monkeypatch):
+    from ember.config import NativeConfig
+    from ember.hardware import cpu_flags, isa_tier
+
+    if isa_tier(cpu_flags()) not in ("amx", "avx512_bf16"):
+        pytest.skip("the kernels decline this CPU before looking for a compiler")
+    monkeypatch.setattr(native, "find_compiler", lambda preferred=None: None)
+    lib, detail = native._build(native._KERNELS[0], NativeConfig(cache_dir=str(tmp_path)))
+    assert lib is None
+    assert detail == (f"no C++ compiler (g++) and no prebuilt library in {tmp_path} (build them with `ember "
+                      "build-kernels` at image build); torch's SDPA instead")  # fmt: skip
+
+
+def test_a_corrupt_prebuilt_library_is_not_loaded(tmp_path, compiler):
+    source = tmp_path / "probe.cpp"
+    source.write_text('extern "C" int ember_probe_usable() { return 1; }\n')
+    native._compile(compiler, source, native._prebuilt_path(source, tmp_path, "avx512_bf16"), ["-O1"])
+    assert native._prebuilt(source, tmp_path, "avx512_bf16") is not None
+    path = native._prebuilt_path(source, tmp_path, "avx512_bf16")
+    path.write_bytes(path.read_bytes()[:64])
+    assert native._prebuilt(source, tmp_path, "avx512_bf16") is None
+    assert native._prebuilt(source, tmp_path / "missing", "amx") is None  # no cache dir: nothing, no error

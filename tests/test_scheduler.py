@@ -1,7 +1,5 @@
 """The scheduler on a clock the test moves: admission, EDF order, budgets and the batch-wait decision."""
 
-import math
-
 import numpy as np
 import pytest
 
@@ -192,17 +190,17 @@ def test_measured_cost_per_token_sets_later_deadlines_and_retry_after():
     assert item.request is r and item.deadline == pytest.approx(2.0 + 100 * s.seconds_per_token)
 
 
-def test_admission_by_time_refuses_what_would_wait_too_long_with_a_realistic_retry_after():
-    s = scheduler(seconds_per_token=0.01, max_queue_seconds=10.0, max_queued_tokens=10**9)
+def test_admission_by_time_refuses_what_would_wait_too_long_to_start_with_a_realistic_retry_after():
+    s = scheduler(seconds_per_token=0.01, max_queue_seconds=8.0, max_queued_tokens=10**9)
     admit(s, 600)  # 6 s of work, due at 6
     admit(s, 300)  # 3 s, due at 3
     with pytest.raises(OverloadedError) as e:
-        admit(s, 200, now=5.0)  # due at 7: both run first, 9 + 2 = 11 s > 10
-    assert e.value.retry_after == 1  # the excess, rounded up
-    admit(s, 20, now=5.0)  # due at 5.2: only the 3 s request is before it, 3.2 s: admitted
+        admit(s, 200, now=5.0)  # due at 7: both run first, 9 s before it starts > 8
+    assert e.value.retry_after == 1  # the excess, rounded up: by then the work ahead fits the bound
+    admit(s, 20, now=5.0)  # due at 5.2: only the 3 s request is before it: admitted
     with pytest.raises(OverloadedError) as e:
-        admit(s, 2000, now=5.0)  # due at 25: 9.2 s ahead + 20 s of its own
-    assert e.value.retry_after == math.ceil(9.2 + 20 - 10)
+        admit(s, 5000, now=5.0)  # 50 s of its own, due last: 9.2 s ahead of it
+    assert e.value.retry_after == 2  # what is ahead, not its own size: retried then, it starts as the bound allows
 
 
 def test_an_empty_queue_admits_a_request_longer_than_the_time_bound():
@@ -210,9 +208,19 @@ def test_an_empty_queue_admits_a_request_longer_than_the_time_bound():
     admit(s, 5000)  # 50 s alone: refusing it would refuse it for ever
 
 
-def test_the_clients_own_timeout_lowers_the_bound():
+def test_the_clients_own_timeout_counts_its_wait_and_its_work():
     s = scheduler(seconds_per_token=0.01, max_queue_seconds=30.0)
     admit(s, 500)  # due at 5
-    s.admit([[[7] * 100]], [100], 4.0, max_seconds=10.0)  # due at 5: 5 + 1 = 6 s, within its 10 s
+    s.admit([[[7] * 100]], [100], 4.0, max_seconds=10.0)  # due at 5: 5 s ahead + 1 of its own, within 10
     with pytest.raises(OverloadedError):
-        s.admit([[[7] * 100]], [100], 4.0, max_seconds=6.5)  # 5 + 1 + 1 = 7 s > 6.5
+        s.admit([[[7] * 100]], [100], 4.0, max_seconds=6.5)  # 6 s ahead + 1 > 6.5
+
+
+def test_the_answer_budget_refuses_a_request_whose_vectors_would_not_fit():
+    s = scheduler(max_queued_vectors=10)
+    admit(s, *[3] * 8)  # 8 vectors
+    with pytest.raises(OverloadedError):
+        admit(s, 3, 3, 3)  # 11 > 10
+    admit(s, 3, 3)  # 10: fits
+    r = scheduler().admit([[[7] * 5]], [5], 0.0, per_token=True)  # token_embed: a vector per token
+    assert r.vectors == 5

@@ -16,7 +16,7 @@ from cgroups import join_cgroup, real_v1_cgroup, run_in_cgroup
 from checkpoints import build_bert
 from ember.errors import ConfigError
 from ember.resources import CpuBudget, MemoryBudget
-from ember.sizing import GIB, plan_memory, plan_threads
+from ember.sizing import GIB, OUTPUT_VALUE_BYTES, plan_memory, plan_threads
 from server import Server
 
 FOUR = CpuBudget(affinity=64, quota=4.0, cpuset=None, usable=4, source="cgroup v2 cpu.max 400000 100000")
@@ -144,3 +144,14 @@ def test_a_bad_cpu_list_names_where_it_came_from():
         plan_threads(cpu, bind="4096", bind_label="VLLM_CPU_OMP_THREADS_BIND")
     with pytest.raises(ConfigError, match=r"^--cpu-bind 'x-y': invalid CPU list"):
         plan_threads(cpu, bind="x-y")
+
+
+def test_answers_are_part_of_the_memory_plan():
+    plan = _plan(dimension=1024)
+    assert plan.max_queued_vectors is not None and plan.max_queued_vectors > 1000
+    peak = 0.45 * GIB + plan.weights_bytes + plan.fixed_bytes + max(2048, 8192) * plan.per_token_bytes
+    answers = plan.max_queued_vectors * 1024 * OUTPUT_VALUE_BYTES
+    assert peak + answers + plan.max_queued_tokens * 64 <= plan.budget_bytes
+    assert "answers of up to" in plan.describe()
+    wider = _plan(dimension=4096)
+    assert wider.max_queued_vectors * 4 == pytest.approx(plan.max_queued_vectors, rel=0.01)

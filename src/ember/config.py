@@ -177,11 +177,16 @@ class EngineConfig:
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
-    max_queue_seconds: float = 30.0
-    """Admission by time (--max-queue-seconds): a request whose estimated wait (the queued work that runs before
-    it, earliest deadline first, plus its own, at the measured cost per token) exceeds this gets 429 with a
-    Retry-After of the excess, unless the queue is empty. A client's own X-Request-Timeout lowers it for that
-    request. Overload then gets prompt 429s rather than answers computed for clients that have given up."""
+    max_queued_vectors: int | None = None
+    """Most answer vectors held by admitted requests (an input each; a token each for token_embed), as the memory
+    plan allows; past it, 429 (413 for one request larger than all of it). None: unbounded (offline use)."""
+    max_queue_seconds: float = 10.0
+    """Admission by time (--max-queue-seconds): a request whose estimated wait before it starts (the running batch
+    and the queued work due before it, earliest deadline first, at the measured cost per token) exceeds this gets
+    429 with a Retry-After of the excess, unless the queue is empty. A client's own X-Request-Timeout bounds its
+    wait plus its own work. Overload then gets prompt 429s rather than answers computed for clients that have given
+    up; 10 s stays well inside the usual 30-600 s client timeouts, and a bulk client told to retry finds room when the
+    work ahead has shrunk to the bound, so the model never idles between its requests."""
     batch_wait_seconds: float = 0.025
     """Before starting a batch that is not full (or a long window alone), wait up to this long for more
     requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),
@@ -199,7 +204,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, bool) and value <= 0 and f.name != "batch_wait_seconds":
+            if value is not None and not isinstance(value, bool) and value <= 0 and f.name != "batch_wait_seconds":
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
 
 

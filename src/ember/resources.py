@@ -5,13 +5,14 @@ Stdlib only and pure: every reader takes `root` so tests can point it at a fake 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuBudget", "MemoryBudget", "cpu_budget", "memory_budget", "parse_cpu_list"]
+__all__ = ["CpuBudget", "MemoryBudget", "cpu_budget", "memory_budget", "parse_cpu_list", "release_free_memory"]
 
 _ROOT = Path("/")
 # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large cannot be a real limit.
@@ -49,6 +50,18 @@ class _Found:
 
 
 _Reader = Callable[[Path], _Found | None]
+
+
+def release_free_memory() -> str:
+    """Hand the allocator's freed pages back to the OS (tcmalloc's ReleaseFreeMemory, else glibc's malloc_trim),
+    so RSS returns towards idle after a burst instead of staying at its peak; returns which one ran ("" if none)."""
+    process = ctypes.CDLL(None)
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        fn = getattr(process, name, None)
+        if fn is not None:
+            fn(*args)
+            return name
+    return ""
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -13,6 +13,7 @@ from ember.errors import ConfigError
 from ember.resources import CpuBudget, MemoryBudget, parse_cpu_list
 
 __all__ = [
+    "OUTPUT_VALUE_BYTES",
     "MemoryPlan",
     "ThreadPlan",
     "activation_bytes_per_token",
@@ -28,6 +29,9 @@ SAFETY = 0.9
 """Fraction of the available memory ember plans to use; the rest is headroom for the allocator."""
 QUEUED_TOKEN_BYTES = 64
 """Memory a queued token costs (a Python int in a list, its share of the request text)."""
+OUTPUT_VALUE_BYTES = 16
+"""Memory one value of an answer costs until it is sent: 4 bytes in its float32 vector and up to ~12 in the JSON
+body (orjson writes a float32 in at most 9 significant digits, a sign, a point, an exponent and a comma)."""
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,16 @@ class MemoryPlan:
     max_batch_tokens: int
     max_queued_tokens: int
     source: str
+    max_queued_vectors: int | None = None
+    """Most answer vectors held at once (queued inputs, or tokens of token_embed requests); None: unbounded."""
 
     def describe(self) -> str:
+        vectors = f", answers of up to {self.max_queued_vectors} vectors" if self.max_queued_vectors else ""
         return (
             f"memory budget {self.budget_bytes / GIB:.2f} GiB ({self.source}): "
             f"weights {self.weights_bytes / GIB:.2f} GiB, "
             f"runtime {RUNTIME_BYTES / GIB:.2f} GiB, {self.per_token_bytes / 1024:.0f} KiB per batched token "
-            f"-> batches of up to {self.max_batch_tokens} tokens, {self.max_queued_tokens} tokens queued"
+            f"-> batches of up to {self.max_batch_tokens} tokens, {self.max_queued_tokens} tokens queued{vectors}"
         )
 
 
@@ -138,8 +145,11 @@ def plan_memory(
     queued_tokens: int,
     limit_override: int | None = None,
     dtype_bytes: int = 2,
+    dimension: int = 0,
 ) -> MemoryPlan:
-    """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit."""
+    """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit. With the
+    model's output `dimension`, half of what is left for the queue holds answers: the most vectors queued requests
+    may ask for (each dimension x OUTPUT_VALUE_BYTES), so a queue of one-token inputs cannot outgrow memory."""
     available = limit_override or memory.available_bytes
     parts = memory.source.split("; ")
     source = "--memory-limit" if limit_override else parts[0] if memory.limit_bytes else parts[-1]
@@ -158,8 +168,12 @@ def plan_memory(
     batch = max(1, min(batch_tokens, left // per_token_bytes))
     # A window longer than the batch budget runs alone, so the peak is the larger of the two.
     left_for_queue = left - max(batch, max_model_len) * per_token_bytes
+    vectors = None
+    if dimension:
+        vectors = max(1, left_for_queue // 2 // (dimension * OUTPUT_VALUE_BYTES))
+        left_for_queue -= vectors * dimension * OUTPUT_VALUE_BYTES
     queue = max(max_model_len, min(queued_tokens, left_for_queue // QUEUED_TOKEN_BYTES))
-    return MemoryPlan(budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source)
+    return MemoryPlan(budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source, vectors)
 
 
 def flops_per_token(config: dict[str, Any], seq_len: int, causal: bool) -> float:

@@ -155,8 +155,8 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
     p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
     p.add_argument(
-        "--max-queue-seconds", type=float, default=30.0,
-        help="429 for a request whose estimated wait (queued work before it + its own) is longer (default 30)",
+        "--max-queue-seconds", type=float, default=10.0,
+        help="429 for a request whose estimated wait before it starts is longer (default 10)",
     )  # fmt: skip
     p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
     p.add_argument(

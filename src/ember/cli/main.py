@@ -12,7 +12,7 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """`ember` and its subcommands' flags."""
-    from ember.cli import bench, doctor, embed, serve
+    from ember.cli import bench, build_kernels, doctor, embed, serve
 
     parser = argparse.ArgumentParser(
         prog="ember",
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(sub)
     embed.add_parser(sub)
     bench.add_parser(sub)
+    build_kernels.add_parser(sub)
     return parser
 
 

@@ -117,6 +117,7 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
         queued_tokens=config.max_queued_tokens,
         limit_override=config.memory_limit,
         dtype_bytes=size,
+        dimension=shape.hidden_size if cls.task == "embed" else 0,
     )
     act = activation(hf_config) if cls.task == "score" else "identity"
     return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, act)
@@ -224,6 +225,7 @@ def build_engine(loaded: Loaded, config: EngineConfig | None = None, *, tokenize
         config or EngineConfig(),
         max_num_batched_tokens=loaded.memory.max_batch_tokens,
         max_queued_tokens=loaded.memory.max_queued_tokens,
+        max_queued_vectors=loaded.memory.max_queued_vectors,
     )
     pooler = loaded.plan.config.pooler
     return AsyncEngine(loaded.runner, loaded.tokenizer, config, pooler, tokenizer_threads=tokenizer_threads)

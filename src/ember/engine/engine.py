@@ -23,6 +23,7 @@ from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
 from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
+from ember.resources import release_free_memory
 from ember.tokenizer import Tokenizer
 from ember.types import KernelStatus, ModelInfo, Runner
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 _INLINE_TOKENIZE_CHARS = 2048
 """Requests up to this many characters (or token ids) are tokenised on the event loop itself."""
+
+IDLE_RELEASE_SECONDS = 2.0
+"""After this long idle following work, freed memory is handed back to the OS (ember.resources.release_free_memory)."""
 
 DRAIN_MARGIN_SECONDS = 0.5
 """A drain answers what is still unfinished this long before its grace ends, so those answers go out in time."""
@@ -261,6 +265,13 @@ class AsyncEngine:
                 "--max-queued-tokens as the memory plan allows): send its inputs in smaller requests",
                 "input",
             )
+        vectors, most = (tokens if per_token else len(windows)), self.config.max_queued_vectors
+        if most is not None and vectors > most:
+            raise RequestTooLargeError(
+                f"this request's answer holds {vectors} vectors, more than this server's memory plan keeps for "
+                f"answers ({most}): send its inputs in smaller requests",
+                "input",
+            )
         request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token, timeout)
         future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
         self._waiting[id(request)] = request
@@ -287,11 +298,20 @@ class AsyncEngine:
     async def _run(self) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
+        worked = False  # batches ran since memory was last released
         while True:
             self._wakeup.clear()
             if not self.scheduler.has_work:
-                await self._wakeup.wait()
+                if worked:
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_RELEASE_SECONDS)
+                    except TimeoutError:
+                        worked = False
+                        loop.run_in_executor(None, release_free_memory)  # off the loop; nothing waits on it
+                else:
+                    await self._wakeup.wait()
                 continue
+            worked = True
             wait = self.scheduler.wait_seconds(time.monotonic())
             if wait > 0:  # more requests may join the batch: wait for one to arrive, or the time to pass
                 with contextlib.suppress(TimeoutError):

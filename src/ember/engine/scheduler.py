@@ -51,6 +51,11 @@ class Request:
         return sum(len(w) for ws in self.windows for w in ws)
 
     @property
+    def vectors(self) -> int:
+        """The vectors its answer holds: one per input, or one per token with per_token."""
+        return self.tokens if self.per_token else len(self.windows)
+
+    @property
     def done(self) -> bool:
         return self.pending == 0 or self.failed is not None
 
@@ -85,6 +90,7 @@ class Scheduler:
         """Measured model cost (moving average over batches): deadlines and Retry-After use it."""
         self.queued_requests = 0  # admitted and not yet released
         self.queued_tokens = 0
+        self.queued_vectors = 0  # answer vectors of admitted requests
         self._heap: list[WorkItem] = []
         self._heap_tokens = 0
         self._running_tokens = 0  # tokens of the batch formed and not yet completed
@@ -128,23 +134,30 @@ class Scheduler:
         max_seconds: float | None = None,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
-        queue's budgets are spent or its estimated wait is over max_queue_seconds (or its own `max_seconds`, the
-        client's timeout). `per_token`: the request wants every token's state, not pooled vectors."""
+        queue's budgets are spent, its estimated wait before it starts is over max_queue_seconds, or its wait and
+        its own work are over `max_seconds` (the client's timeout). `per_token`: the request wants every token's
+        state, not pooled vectors."""
         pending = sum(len(ws) for ws in windows)
         request = Request(windows, token_counts, now, pending, token_types, per_token)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
-            self.queued_tokens + request.tokens > cfg.max_queued_tokens and self.queued_requests > 0
+            self.queued_requests > 0
+            and (
+                self.queued_tokens + request.tokens > cfg.max_queued_tokens
+                or self.queued_vectors + request.vectors > (cfg.max_queued_vectors or math.inf)
+            )
         ):
             raise self.overloaded()
         if self.queued_requests > 0:  # an empty queue admits anything its budgets hold: it could never wait less
             own = request.tokens * self.seconds_per_token
-            bound = cfg.max_queue_seconds if max_seconds is None else min(max_seconds, cfg.max_queue_seconds)
-            wait = self.wait_before(now + own) + own
-            if wait > bound:
-                raise self.overloaded(wait - bound)
+            ahead = self.wait_before(now + own)
+            if ahead > cfg.max_queue_seconds:  # its wait to start: after the excess, the work ahead has shrunk to fit
+                raise self.overloaded(ahead - cfg.max_queue_seconds)
+            if max_seconds is not None and ahead + own > max_seconds:  # the client's limit counts its own work too
+                raise self.overloaded(ahead + own - max_seconds)
         self.queued_requests += 1
         self.queued_tokens += request.tokens
+        self.queued_vectors += request.vectors
         while self._peaks and self._peaks[-1][1] <= self.queued_requests:
             self._peaks.pop()
         self._peaks.append((now, self.queued_requests))
@@ -165,6 +178,7 @@ class Scheduler:
         request.cancelled = request.cancelled or not request.done
         self.queued_requests -= 1
         self.queued_tokens -= request.tokens
+        self.queued_vectors -= request.vectors
 
     def wait_seconds(self, now: float) -> float:
         """How long to wait for more requests before forming the next batch (0: start it now).

@@ -8,14 +8,22 @@ Loading a library also registers its torch operators (ember::native_attention, e
 ember::silu_mul, ember::qk_norm_rope; their schemas are defined in Python), which compiled regions call
 through the dispatcher without Python.
 
-Each is compiled with `-march=native` (less what EMBER_MAX_ISA caps) against the installed torch's headers and
-libraries, so it uses this CPU's AMX or AVX-512 BF16 and torch's own OpenMP pool; nothing is compiled at `pip
-install`. The builds (about 20 s for the three) run on the engine's kernel thread beside serving; until a kernel is
-loaded, and wherever it cannot be built or run (no compiler, a CPU without what it needs, another OS, switched off
-in NativeConfig), its callers use torch's own ops (SDPA; oneDNN's int8 matmul; torch.compile's kernels). Libraries
-are cached in NativeConfig.cache_dir, keyed by the sources, the compiler's version, the exact compile command,
-torch's version and C++ ABI, and the CPU's flags; each is stored with its SHA-256, and a library whose bytes do not
-match (truncated, corrupt, or not ember's) is rebuilt, never loaded.
+Two ways to get them, tried in this order:
+
+- Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
+  CPU tier (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI), keyed by the
+  sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as capped
+  by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets every CPU
+  of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike.
+- Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps), about 20 s for the
+  three, on the engine's kernel thread beside serving; keyed also by the compiler's version, the exact command and
+  this CPU's flags.
+
+Both link against the installed torch and use its OpenMP pool; nothing is compiled at `pip install`. Until a kernel
+is loaded, and wherever it cannot be built or run (no compiler and no prebuilt library, a CPU without what it needs,
+another OS, switched off in NativeConfig), its callers use torch's own ops (SDPA; oneDNN's int8 matmul;
+torch.compile's kernels). Libraries live in NativeConfig.cache_dir, each with its SHA-256; a library whose bytes do
+not match (truncated, corrupt, or not ember's) is never loaded.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ from pathlib import Path
 import torch
 
 from ember.config import NativeConfig
-from ember.hardware import cpu_flags, find_compiler, native_cpu_flags
+from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags
 from ember.types import KernelStatus
 
-__all__ = ["attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel"]
+__all__ = ["PREBUILT_TIERS", "attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel", "prebuild"]
 
 log = logging.getLogger("ember.native")
 
@@ -61,6 +69,14 @@ _KERNELS = (
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 _tried: dict[str, KernelStatus] = {}
+
+
+_V4 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"]
+PREBUILT_TIERS: dict[str, list[str]] = {
+    "amx": [*_V4, "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
+    "avx512_bf16": _V4,
+}
+"""The CPU tiers `ember build-kernels` builds for, best first, and each one's target flags (ember.hardware tiers)."""
 
 
 def attention_kernel() -> ctypes.CDLL | None:
@@ -107,11 +123,20 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
     if missing:
         capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != native_cpu_flags() else ""
         return None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
-    compiler = find_compiler(config.compiler)
-    if compiler is None:
-        return None, f"no C++ compiler (g++) to build it; {instead}"
+    source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
+    prebuilt = next(filter(None, (_prebuilt(source, cache, tier) for tier in _runnable_tiers())), None)
+    compiler = find_compiler(config.compiler) if prebuilt is None else None
+    if prebuilt is None and compiler is None:
+        return None, (
+            f"no C++ compiler (g++) and no prebuilt library in {cache} (build them with `ember build-kernels` at "
+            f"image build); {instead}"
+        )
     try:
-        path, how = _library(compiler, _CSRC / f"{kernel.name}.cpp", _cache_dir(config))
+        if prebuilt is not None:
+            path, how = prebuilt, "prebuilt, loaded from"
+        else:
+            assert compiler is not None
+            path, how = _library(compiler, source, cache)
         lib = ctypes.CDLL(str(path))
         usable = getattr(lib, f"ember_{kernel.name}_usable")() == 1
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
@@ -120,6 +145,52 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
     if not usable:
         return None, f"the kernel may not run here (the OS refused AMX tile state); {instead}"
     return lib, f"{_isa(lib, kernel.name)}{how} {path}"
+
+
+def _runnable_tiers() -> list[str]:
+    """The prebuilt tiers this CPU (as capped by EMBER_MAX_ISA) runs, best first."""
+    rank = ISA_TIERS.index(isa_tier(cpu_flags())) if isa_tier(cpu_flags()) in ISA_TIERS else len(ISA_TIERS)
+    return [tier for tier in PREBUILT_TIERS if ISA_TIERS.index(tier) >= rank]
+
+
+def _prebuilt_path(source: Path, cache: Path, tier: str) -> Path:
+    key = hashlib.sha256()
+    for part in (
+        source.read_bytes(),
+        *(h.read_bytes() for h in sorted(source.parent.glob("*.h"))),
+        torch.__version__.encode(),
+        str(int(torch._C._GLIBCXX_USE_CXX11_ABI)).encode(),
+        " ".join(PREBUILT_TIERS[tier]).encode(),
+    ):
+        key.update(part)
+    return cache / f"ember_{source.stem}-{tier}-{key.hexdigest()[:16]}.so"
+
+
+def _prebuilt(source: Path, cache: Path, tier: str) -> Path | None:
+    """The library `ember build-kernels` made for this source, torch and tier, when it is there and whole."""
+    out = _prebuilt_path(source, cache, tier)
+    digest = out.with_name(out.name + ".sha256")
+    try:
+        if out.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(out):
+            return out
+    except OSError:
+        return None
+    if out.exists():
+        log.warning("native %s: prebuilt %s does not match its checksum; not loading it", source.stem, out)
+    return None
+
+
+def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, str, Path]]:
+    """Builds every kernel for each tier into `cache` (ember build-kernels): [(kernel, tier, library)]."""
+    built = []
+    for tier in tiers:
+        for kernel in _KERNELS:
+            source = _CSRC / f"{kernel.name}.cpp"
+            out = _prebuilt_path(source, cache, tier)
+            if _prebuilt(source, cache, tier) is None:
+                _compile(compiler, source, out, PREBUILT_TIERS[tier])
+            built.append((kernel.name, tier, out))
+    return built
 
 
 def _isa(lib: ctypes.CDLL, name: str) -> str:
@@ -151,13 +222,13 @@ def _cache_dir(config: NativeConfig) -> Path:
     return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "ember"
 
 
-def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
+def _compile_command(compiler: str, source: Path, out: Path, target: list[str] | None = None) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
     lib = torch_dir / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        compiler, "-O3", *_march(), "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+        compiler, "-O3", *(_march() if target is None else target), "-std=c++17", "-shared", "-fPIC", "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(source), "-o", str(out),
         f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
     ]  # fmt: skip
@@ -192,10 +263,19 @@ def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
         return out, "loaded from"
     if out.exists():
         log.warning("native %s: cached %s does not match its checksum; rebuilding it", source.stem, out)
+    _compile(compiler, source, out, _march())
+    log.info("native %s built: %s", source.stem, out)
+    return out, "built into"
+
+
+def _compile(compiler: str, source: Path, out: Path, target: list[str]) -> None:
+    """Compile `source` for `target` into `out`, with its SHA-256 beside it (both replaced atomically)."""
+    digest = out.with_name(out.name + ".sha256")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        done = subprocess.run(_compile_command(compiler, source, tmp_out), capture_output=True, text=True, timeout=300)
+        command = _compile_command(compiler, source, tmp_out, target)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise subprocess.SubprocessError(
                 done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"{compiler} failed"
@@ -203,8 +283,6 @@ def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
         (Path(tmp) / digest.name).write_text(_sha256(tmp_out))
         os.replace(tmp_out, out)  # atomic: a concurrent start sees the whole file or none
         os.replace(Path(tmp) / digest.name, digest)
-    log.info("native %s built: %s", source.stem, out)
-    return out, "built into"
 
 
 def _sha256(path: Path) -> str:
