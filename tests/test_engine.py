@@ -118,6 +118,7 @@ def test_overload_is_refused_at_once_with_retry_after(runner, tokenizer):
 def test_a_clients_timeout_shorter_than_the_wait_is_refused_at_once(runner, tokenizer):
     async def main():
         engine = await _started(runner, tokenizer, seconds_per_token=0.1, max_queue_seconds=60.0)
+        await engine.embed([[3] * 4])  # one measured batch: from then on the running batch counts in the wait
         runner.gate.clear()
         held = asyncio.create_task(engine.embed([[3] * 30] * 4))  # 12 s of work at the assumed cost
         await until(lambda: engine.running_seqs == 4)  # on the model thread (held there by the gate)

@@ -224,3 +224,10 @@ def test_the_answer_budget_refuses_a_request_whose_vectors_would_not_fit():
     admit(s, 3, 3)  # 10: fits
     r = scheduler().admit([[[7] * 5]], [5], 0.0, per_token=True)  # token_embed: a vector per token
     assert r.vectors == 5
+
+
+def test_the_first_batch_does_not_count_before_its_cost_is_measured():
+    s = scheduler(seconds_per_token=0.01, max_queue_seconds=5.0)
+    admit(s, 5000)
+    s.next_batch(0.0)  # running: 50 s at the default guess, which may be far off for this model
+    admit(s, 10, now=0.1)  # not refused on a guess (nor told to retry in minutes)

@@ -285,7 +285,9 @@ def test_sigterm_drain_keeps_its_grace_and_answers_the_rest_503(tmp_path):
     """More queued work than the grace can finish: the process exits within grace + 2 s, every client gets a
     200 or an OpenAI-shaped 503 (no plain 500, no traceback), and the work nobody will receive is dropped."""
     grace = 4.0
-    srv = Server(["--dtype", "float32", "--shutdown-grace", str(grace)], tmp_path / "log")  # the bundled MiniLM
+    srv = Server(
+        ["--dtype", "float32", "--shutdown-grace", str(grace), "--max-queue-seconds", "1000"], tmp_path / "log"
+    )  # the bundled MiniLM; all 40 admitted, so the drain has work to cut short
     statuses, bodies = [], []
 
     def client(i):

@@ -94,6 +94,7 @@ class Scheduler:
         self._heap: list[WorkItem] = []
         self._heap_tokens = 0
         self._running_tokens = 0  # tokens of the batch formed and not yet completed
+        self._measured = False  # a batch has completed: seconds_per_token is this model's, not the default guess
         self._waiting = 0  # requests with work in the queue
         self._peaks: deque[tuple[float, int]] = deque()  # (time, requests in flight), counts decreasing
         self._last_arrival = -float("inf")
@@ -122,7 +123,8 @@ class Scheduler:
         """Estimated seconds of work that runs before a request with this deadline: the running batch, and the
         queued work due earlier (EDF order)."""
         ahead = sum(len(it.ids) for it in self._heap if it.deadline <= deadline and not it.request.cancelled)
-        return (ahead + self._running_tokens) * self.seconds_per_token
+        running = self._running_tokens if self._measured else 0  # the first batch: no cost of its own known yet
+        return (ahead + running) * self.seconds_per_token
 
     def admit(
         self,
@@ -245,6 +247,7 @@ class Scheduler:
         """Record a batch's pooled rows (or token states); returns the requests it finished."""
         self._last_batch_end = now
         self._running_tokens = 0
+        self._measured = True
         tokens = sum(len(it.ids) for it in batch)
         self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / max(1, tokens)
         for request in {id(it.request): it.request for it in batch}.values():
