@@ -139,6 +139,10 @@ class _Offline:
 class Embedder(_Offline):
     """Loads an embedding model once and embeds texts or token ids with it."""
 
+    def _check_embeds(self) -> None:
+        if self.info.task != "embed":
+            raise InputError(f"this model ({self.info.architecture}) scores pairs: use ember.Reranker", "input")
+
     def embed(
         self,
         inputs: str | list[str] | list[int] | list[list[int]],
@@ -150,8 +154,7 @@ class Embedder(_Offline):
         truncation_side: Literal["left", "right"] | None = None,
     ) -> Embeddings:
         """Embed texts (or token-id lists, used as given); returns vectors in input order."""
-        if self.info.task != "embed":
-            raise InputError(f"this model ({self.info.architecture}) scores pairs: use ember.Reranker", "input")
+        self._check_embeds()
         params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name)
         return self._embed(inputs, params)
 
@@ -168,8 +171,7 @@ class Embedder(_Offline):
         """One vector per token (vLLM's `token_embed`, for multi-vector retrieval): `vectors` is a list of
         (tokens, D) arrays in input order, special tokens included; inputs longer than max-model-len are refused
         unless truncated."""
-        if self.info.task != "embed":
-            raise InputError(f"this model ({self.info.architecture}) scores pairs: use ember.Reranker", "input")
+        self._check_embeds()
         params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
                              per_token=True)  # fmt: skip
         return TokenEmbeddings(*self._vectors(inputs, params))
