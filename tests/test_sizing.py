@@ -155,3 +155,22 @@ def test_answers_are_part_of_the_memory_plan():
     assert "answers of up to" in plan.describe()
     wider = _plan(dimension=4096)
     assert wider.max_queued_vectors * 4 == pytest.approx(plan.max_queued_vectors, rel=0.01)
+
+
+def test_a_request_of_two_million_inputs_is_refused_in_a_700_mb_cgroup_not_oom_killed(tmp_path):
+    model = build_bert(tmp_path / "m")
+    with real_v1_cgroup("memory", {"memory.limit_in_bytes": str(700 * 2**20)}) as cgroup:
+        srv = Server([str(model), "--dtype", "float32"], tmp_path / "log", preexec_fn=join_cgroup(cgroup))
+        try:
+            body = b'{"input": [' + b",".join([b'"a"'] * 1_900_000) + b"]}"  # 7.6 MB, under the body limit
+            r = httpx.post(srv.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"},
+                           timeout=120)  # fmt: skip
+            assert r.status_code == 400 and "exceeds the maximum allowed count of 2048" in r.json()["error"]["message"]
+            assert httpx.post(srv.url + "/v1/embeddings", json={"input": "still here"}, timeout=30).status_code == 200
+            assert srv.proc.poll() is None
+            assert "oom_kill 0" in (cgroup / "memory.oom_control").read_text()
+            peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
+        finally:
+            srv.stop()
+            time.sleep(0.2)
+        assert peak < 700 * 2**20
