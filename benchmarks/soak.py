@@ -32,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from indexing import cpu_name  # noqa: E402
 from run import launch, stop  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree near the "
@@ -173,7 +174,7 @@ def main() -> None:
     out = {
         "model": args.model or "sentence-transformers/all-MiniLM-L6-v2 (bundled)",
         "source": args.src or "this checkout",
-        "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),
+        "cpu": cpu_name(),
         "capacity_rps": round(cap, 2),
         "arrival_rps": round(cap * args.load, 2),
         "seconds": args.seconds,

@@ -67,7 +67,7 @@ REMOVED_TASKS = {
     "score": "`score` task was removed; use `classify` instead.",
     "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
 }
-"""vLLM's words for the task names it dropped."""
+"""vLLM's messages for pooling task names it no longer accepts."""
 
 
 class PoolingRequest(EmbeddingRequest):

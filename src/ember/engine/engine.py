@@ -88,8 +88,7 @@ class AsyncEngine:
         self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
         self.kernels: dict[str, KernelStatus] = {}
         """What each kernel does now (native ones and torch.compile's fused regions), for logs, /info, /metrics."""
-        self._futures: dict[int, asyncio.Future[None]] = {}  # id(Request) -> its caller's future
-        self._waiting: dict[int, Request] = {}  # id(Request) -> the request, while its caller waits
+        self._waiting: dict[int, tuple[Request, asyncio.Future[None]]] = {}  # id -> request, its caller's future
         self._drain_deadline: float | None = None
         self.model_busy = False
         """True while a batch runs on the model thread (a drain does not wait for one nobody will receive)."""
@@ -167,7 +166,7 @@ class AsyncEngine:
     def _abandon(self) -> None:
         """Fail every request still waiting (its queued windows are then never computed)."""
         error = ShuttingDownError("the server shut down before this request was computed (--shutdown-grace ran out)")
-        left = [r for r in self._waiting.values() if not r.done]
+        left = [r for r, _ in self._waiting.values() if not r.done]
         for request in left:
             request.failed = error
         if left:
@@ -273,14 +272,14 @@ class AsyncEngine:
                 "input",
             )
         request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token, timeout)
-        future = self._futures[id(request)] = asyncio.get_running_loop().create_future()
-        self._waiting[id(request)] = request
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[id(request)] = (request, future)
         assert self._wakeup is not None
         self._wakeup.set()
         try:
             await future
         finally:
-            del self._futures[id(request)], self._waiting[id(request)]
+            del self._waiting[id(request)]
             self.scheduler.release(request)
         return request
 
@@ -349,9 +348,10 @@ class AsyncEngine:
 
     def _settle(self, requests: list[Request]) -> None:
         for request in requests:
-            future = self._futures.get(id(request))
-            if future is None or future.done():
+            entry = self._waiting.get(id(request))
+            if entry is None or entry[1].done():
                 continue
+            future = entry[1]
             if request.failed is not None:
                 future.set_exception(request.failed)
             else:

@@ -149,7 +149,8 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
 
 def _runnable_tiers() -> list[str]:
     """The prebuilt tiers this CPU (as capped by EMBER_MAX_ISA) runs, best first."""
-    rank = ISA_TIERS.index(isa_tier(cpu_flags())) if isa_tier(cpu_flags()) in ISA_TIERS else len(ISA_TIERS)
+    tier = isa_tier(cpu_flags())
+    rank = ISA_TIERS.index(tier) if tier in ISA_TIERS else len(ISA_TIERS)
     return [tier for tier in PREBUILT_TIERS if ISA_TIERS.index(tier) >= rank]
 
 
