@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import ember.ops.native as native
 from ember.config import NativeConfig
 from ember.ops import fused
-from ember.ops.rope import rope_cos_sin
+from ember.ops.rope import rope_cos_sin, rope_inv_freq
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +49,7 @@ def test_qk_norm_rope_equals_the_reference_function(tokens: int, heads: tuple[in
     qkv = (torch.randn(tokens, n_q + 2 * n_kv, d, generator=g) * 2).to(torch.bfloat16)
     q_weight = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
     k_weight = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
-    cos, sin = rope_cos_sin(torch.arange(tokens) + 11, d, 1e6, torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(tokens) + 11, rope_inv_freq(d, {"rope_theta": 1e6}), torch.bfloat16)
     got = fused.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)
     assert torch.equal(got, torch.ops.ember.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6))
     want = fused._qk_norm_rope.fn(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)  # the torch function, eager

@@ -14,7 +14,7 @@ from ember import Embedder
 from ember.config import ModelConfig, NativeConfig
 from ember.engine.build import plan
 from ember.models.checkpoint import parameter_count
-from ember.models.qwen3 import Block
+from ember.models.llama import Block
 from ember.ops import quant
 from ember.ops.fused import can_compile
 from ember.ops.native import build_kernels, int8_gemm_kernel

@@ -19,12 +19,12 @@ from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.models.bert import BertArgs, BertModel
-from ember.models.qwen3 import Qwen3Args, Qwen3Model
+from ember.models.llama import LlamaArgs, LlamaModel
 from ember.types import Activation
 
 __all__ = [
     "BertForSequenceClassification",
-    "Qwen3ForSequenceClassification",
+    "DecoderForSequenceClassification",
     "RobertaForSequenceClassification",
     "activation",
     "num_labels",
@@ -101,12 +101,13 @@ class RobertaForSequenceClassification(BertModel):
         return self.classifier.out_proj(torch.tanh(self.classifier.dense(pooled)))
 
 
-class Qwen3ForSequenceClassification(Qwen3Model):
-    """Qwen3 with a `score` layer on the last token: a seq-cls checkpoint's own, or Qwen3-Reranker's LM-head rows."""
+class DecoderForSequenceClassification(LlamaModel):
+    """A Llama-family decoder (Qwen3) with a `score` layer on the last token: a seq-cls checkpoint's own, or the
+    LM-head rows of `classifier_from_token` (Qwen3-Reranker's "no" and "yes")."""
 
     task = "score"
 
-    def __init__(self, a: Qwen3Args, labels: int, token_ids: list[int] | None, yes_minus_no: bool) -> None:
+    def __init__(self, a: LlamaArgs, labels: int, token_ids: list[int] | None, yes_minus_no: bool) -> None:
         super().__init__(a)
         self.score = nn.Linear(a.hidden_size, labels, bias=False)
         self.token_ids, self.yes_minus_no = token_ids, yes_minus_no
@@ -115,13 +116,13 @@ class Qwen3ForSequenceClassification(Qwen3Model):
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Self:
         ids = cfg.get("classifier_token_ids")  # the ids of classifier_from_token, found by the loader
-        return cls(Qwen3Args.from_config(cfg), num_labels(cfg), ids, bool(cfg.get("is_original_qwen3_reranker")))
+        return cls(LlamaArgs.from_config(cfg), num_labels(cfg), ids, bool(cfg.get("is_original_qwen3_reranker")))
 
     @staticmethod
     def checkpoint_key(name: str) -> str | None:
         if name in ("score.weight", "lm_head.weight"):
             return name
-        return Qwen3Model.checkpoint_key(name)
+        return LlamaModel.checkpoint_key(name)
 
     @staticmethod
     def checkpoint_rows(cfg: dict[str, Any]) -> dict[str, list[int]]:

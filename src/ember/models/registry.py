@@ -9,16 +9,17 @@ from ember.models.base import Architecture
 from ember.models.bert import BertModel
 from ember.models.classifier import (
     BertForSequenceClassification,
-    Qwen3ForSequenceClassification,
+    DecoderForSequenceClassification,
     RobertaForSequenceClassification,
 )
-from ember.models.qwen3 import Qwen3Model
+from ember.models.llama import LlamaModel
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
+_DECODERS = ("Qwen3", "Qwen2", "Llama", "Mistral")
+
 ARCHITECTURES: dict[str, type[Architecture]] = {
-    "Qwen3ForCausalLM": Qwen3Model,
-    "Qwen3Model": Qwen3Model,
+    **{f"{family}{kind}": LlamaModel for family in _DECODERS for kind in ("Model", "ForCausalLM")},
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "XLMRobertaModel": BertModel,
@@ -27,9 +28,16 @@ ARCHITECTURES: dict[str, type[Architecture]] = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
-    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "Qwen3ForSequenceClassification": DecoderForSequenceClassification,
 }
-_BY_MODEL_TYPE = {"qwen3": "Qwen3Model", "bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
+_BY_MODEL_TYPE = {
+    "qwen3": "Qwen3Model",
+    "qwen2": "Qwen2Model",
+    "llama": "LlamaModel",
+    "mistral": "MistralModel",
+    "bert": "BertModel",
+    "xlm-roberta": "XLMRobertaModel",
+}
 
 
 def model_class(config: dict[str, Any]) -> tuple[str, type[Architecture]]:

@@ -29,6 +29,7 @@ __all__ = [
     "compiled",
     "compiling",
     "qk_norm_rope",
+    "qk_rope",
     "rms_norm",
     "silu_mul",
     "swiglu",
@@ -195,6 +196,14 @@ def _qk_norm_rope(
     weight = torch.cat((q_weight.expand(n_q, -1), k_weight.expand(n_kv, -1)))  # (Hq + Hkv, D)
     normed = _rms(qk, weight, eps).to(qk.dtype).float()
     return torch.cat((apply_rope(normed, cos.float(), sin.float()).to(qk.dtype), v), dim=1)
+
+
+@Fused
+def qk_rope(qkv: torch.Tensor, n_kv: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the q and k heads of a packed (T, Hq + 2 Hkv, D) projection (Hkv = n_kv), v passed through,
+    in the projection's dtype as transformers' Llama does: (T, Hq + 2 Hkv, D)."""
+    qk, v = qkv.split((qkv.shape[1] - n_kv, n_kv), dim=1)
+    return torch.cat((apply_rope(qk, cos, sin), v), dim=1)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

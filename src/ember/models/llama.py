@@ -1,5 +1,7 @@
-"""Qwen3 (Qwen3-Embedding-0.6B/4B/8B): GQA, q/k RMSNorm, RoPE, SwiGLU, causal attention.
+"""Llama-family decoders: Llama, Mistral, Qwen2 and Qwen3 (Qwen3-Embedding, gte-Qwen2, e5-mistral, SFR-Embedding).
 
+GQA, RoPE, SwiGLU, RMSNorm; Qwen3 adds per-head q/k RMSNorm, Qwen2 q/k/v biases. Attention is causal unless
+config.json (or --hf-overrides) says `"is_causal": false`, as for embedders trained bidirectionally.
 Runs packed: x is (T, hidden) for all sequences of a batch laid end to end.
 Parameter names are the checkpoint's, except that q/k/v and gate/up are each one matrix (one GEMM,
 one activation quantisation with int8); load hooks concatenate the checkpoint's separate matrices.
@@ -8,24 +10,30 @@ one activation quantisation with int8); load hooks concatenate the checkpoint's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
 
+from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import packed_attention, seq_offsets, varlen_attention
-from ember.ops.fused import Fused, qk_norm_rope, rms_norm, swiglu
+from ember.ops.fused import Fused, qk_norm_rope, qk_rope, rms_norm, swiglu
 from ember.ops.quant import Int8Linear
-from ember.ops.rope import rope_cos_sin
+from ember.ops.rope import rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import TOKEN_SLICE, by_token_slices
 
-__all__ = ["Qwen3Args", "Qwen3Model"]
+__all__ = ["LlamaArgs", "LlamaModel"]
+
+_QK_NORM = ("qwen3",)
+"""model_type of the families with per-head q/k RMSNorm."""
+_QKV_BIAS = ("qwen2",)
+"""model_type of the families whose q/k/v projections (not o) always have a bias."""
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
+class LlamaArgs:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,12 +42,28 @@ class Qwen3Args:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
+    inv_freq: tuple[float, ...]
+    """RoPE frequencies (head_dim / 2), with the checkpoint's rope scaling applied."""
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    causal: bool = True
+    """False for embedders trained with bidirectional attention (config.json `is_causal: false`)."""
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> Qwen3Args:
+    def from_config(cls, cfg: dict[str, Any]) -> LlamaArgs:
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        family = _family(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        positions = cfg.get("max_position_embeddings", 32768)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        if window and cfg.get("is_causal", True):
+            # Mistral's sliding window: a token sees the `window` before it, so up to `window` tokens the model
+            # is exact; ember's max length stops there and longer inputs are truncated or chunked by its flags.
+            positions = min(positions, int(window))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -47,11 +71,38 @@ class Qwen3Args:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            max_position_embeddings=positions,
+            inv_freq=tuple(rope_inv_freq(head_dim, _rope_parameters(cfg)).tolist()),
+            qk_norm=family in _QK_NORM,
+            qkv_bias=bias or family in _QKV_BIAS,
+            o_bias=bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            causal=bool(cfg.get("is_causal", True)),
         )
+
+
+def _family(cfg: dict[str, Any]) -> str:
+    """config.json's model_type, or the family its architecture names (configs saved without one)."""
+    if cfg.get("model_type"):
+        return str(cfg["model_type"])
+    for name in cfg.get("architectures") or []:
+        for family in ("qwen3", "qwen2", "mistral", "llama"):
+            if name.lower().startswith(family):
+                return family
+    return "llama"
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and rope scaling from config.json, in either layout (transformers 4 `rope_theta` +
+    `rope_scaling`, transformers 5 `rope_parameters`)."""
+    params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    params["rope_theta"] = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    return params
 
 
 class RMSNorm(nn.Module):
@@ -65,31 +116,34 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, a: Qwen3Args) -> None:
+    def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, (self.n_heads + 2 * self.n_kv) * a.head_dim, bias=False)
-        self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=False)
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.causal = a.causal
+        self.qkv_proj = nn.Linear(a.hidden_size, (self.n_heads + 2 * self.n_kv) * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self._register_load_state_dict_pre_hook(concat_hook("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Per token: q/k norms and rotary on the (T, (Hq + 2 Hkv) * D) projection; (T, Hq + 2 Hkv, D)."""
+        """Per token: q/k norms (Qwen3) and rotary on the (T, (Hq + 2 Hkv) * D) projection; (T, Hq + 2 Hkv, D)."""
         qkv = qkv.view(qkv.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
+        if self.q_norm is None or self.k_norm is None:
+            return qk_rope(qkv, self.n_kv, cos, sin)
         return qk_norm_rope(qkv, self.n_kv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
 
     def attend(self, qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """Causal attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
+        """Attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
         q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
-        return varlen_attention(q, k, v, seqlens, causal=True).flatten(1)
+        return varlen_attention(q, k, v, seqlens, causal=self.causal).flatten(1)
 
 
 class MLP(nn.Module):
-    def __init__(self, a: Qwen3Args) -> None:
+    def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
         self._register_load_state_dict_pre_hook(concat_hook("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +155,7 @@ def _holds_int8(block: Block) -> bool:
 
 
 class Block(nn.Module):
-    def __init__(self, a: Qwen3Args) -> None:
+    def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
@@ -129,7 +183,7 @@ class Block(nn.Module):
     @Fused.region(when=_holds_int8)
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         qkv = self._project(x, cos, sin)
-        y = packed_attention(qkv, cu, self.self_attn.n_kv, True).flatten(1)  # (T, Hq * D)
+        y = packed_attention(qkv, cu, self.self_attn.n_kv, self.self_attn.causal).flatten(1)  # (T, Hq * D)
         return self._out_mlp(x, y)
 
     @Fused.region(when=_holds_int8)
@@ -143,14 +197,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(Architecture):
-    """The Qwen3 decoder without its LM head: token ids in, final hidden states out."""
+class LlamaModel(Architecture):
+    """A Llama-family decoder without its LM head: token ids in, final hidden states out."""
 
     is_decoder = True
     int8_layers = r"\.(mlp|self_attn)\.\w+_proj$"  # every linear layer, for --quantization int8
     int8_glu_layers = r"\.mlp\.gate_up_proj$"  # of which SwiGLU's gate and up (Int8Linear's glu)
 
-    def __init__(self, a: Qwen3Args) -> None:
+    def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
@@ -158,8 +212,8 @@ class Qwen3Model(Architecture):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> Qwen3Model:
-        return cls(Qwen3Args.from_config(cfg))
+    def from_config(cls, cfg: dict[str, Any]) -> Self:
+        return cls(LlamaArgs.from_config(cfg))
 
     @property
     def hidden_size(self) -> int:
@@ -183,9 +237,9 @@ class Qwen3Model(Architecture):
         seqlens: list[int],
         token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in Qwen3.)"""
+        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in these decoders.)"""
         x = self.embed_tokens(input_ids)  # (T, H)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, torch.tensor(self.args.inv_freq), x.dtype)
         cu = seq_offsets(seqlens)
         for layer in self.layers:
             x = layer(x, cos, sin, seqlens, cu)
