@@ -95,3 +95,24 @@ def test_pack_linears_replaces_bf16_linears_only():
     assert isinstance(net[0], PackedLinear)
     assert isinstance(net[2], Int8Linear if onednn_int8() else PackedLinear)
     torch.testing.assert_close(net(torch.ones(3, 8, dtype=torch.bfloat16)), before, atol=0.02, rtol=0.01)
+
+
+@pytest.mark.parametrize(
+    ("seqlens", "window"), [([5, 40, 3, 17], 4), ([100], 8), ([9, 9], 8), ([64, 129, 200], 64), ([1], 4)]
+)
+def test_local_attention_equals_a_band_masked_reference(seqlens, window):
+    """Token i sees j of its sequence when |i - j| <= window; short sequences whole, long ones in bands."""
+    from ember.ops.window import local_attention
+
+    g = torch.Generator().manual_seed(len(seqlens) * window)
+    T = sum(seqlens)
+    q, k, v = (torch.randn(T, h, 16, generator=g) * 3 for h in (4, 2, 2))
+    got = local_attention(q, k, v, seqlens, window)
+    start = 0
+    for n in seqlens:
+        i = torch.arange(n)
+        band = (i[:, None] - i[None, :]).abs() <= window
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, enable_gqa=True)
+        torch.testing.assert_close(got[start : start + n], want.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        start += n

@@ -12,7 +12,9 @@ from ember.models.classifier import (
     DecoderForSequenceClassification,
     RobertaForSequenceClassification,
 )
+from ember.models.gemma3 import Gemma3Model
 from ember.models.llama import LlamaModel
+from ember.models.modernbert import ModernBertModel
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
@@ -20,6 +22,10 @@ _DECODERS = ("Qwen3", "Qwen2", "Llama", "Mistral")
 
 ARCHITECTURES: dict[str, type[Architecture]] = {
     **{f"{family}{kind}": LlamaModel for family in _DECODERS for kind in ("Model", "ForCausalLM")},
+    "Gemma3TextModel": Gemma3Model,
+    "Gemma3ForCausalLM": Gemma3Model,
+    "ModernBertModel": ModernBertModel,
+    "ModernBertForMaskedLM": ModernBertModel,
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "XLMRobertaModel": BertModel,
@@ -35,6 +41,8 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2Model",
     "llama": "LlamaModel",
     "mistral": "MistralModel",
+    "gemma3_text": "Gemma3TextModel",
+    "modernbert": "ModernBertModel",
     "bert": "BertModel",
     "xlm-roberta": "XLMRobertaModel",
 }
