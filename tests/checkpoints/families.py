@@ -14,7 +14,32 @@ from typing import Any, Literal
 from checkpoints.builders import _build_model, _save_model, _write_bert_tokenizer, write_st_pooling
 from checkpoints.qwen_tokenizer import QWEN3_EOS_ID, QWEN3_VOCAB_SIZE, build_qwen3_tokenizer
 
-__all__ = ["DecoderFamily", "build_decoder", "build_gemma3", "build_modernbert"]
+__all__ = [
+    "NOMIC_BERT_CONFIG",
+    "DecoderFamily",
+    "build_decoder",
+    "build_gemma3",
+    "build_modernbert",
+    "build_nomic_bert",
+]
+
+#: config.json of nomic-ai/nomic-embed-text-v1.5 (remote code: NomicBertModel), sizes aside.
+NOMIC_BERT_CONFIG: dict[str, Any] = {
+    "activation_function": "swiglu", "architectures": ["NomicBertModel"],
+    "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+                 "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+    "bos_token_id": None, "causal": False, "dense_seq_output": True, "embd_pdrop": 0.0, "eos_token_id": None,
+    "fused_bias_fc": True, "fused_dropout_add_ln": True, "initializer_range": 0.02, "layer_norm_epsilon": 1e-12,
+    "max_trained_positions": 2048, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "model_type": "nomic_bert",
+    "n_embd": 768, "n_head": 12, "n_inner": 3072, "n_layer": 12, "n_positions": 8192, "pad_vocab_size_multiple": 64,
+    "parallel_block": False, "parallel_block_tied_norm": False, "prenorm": False, "qkv_proj_bias": False,
+    "reorder_and_upcast_attn": False, "resid_pdrop": 0.0, "rotary_emb_base": 1000, "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False, "rotary_emb_scale_base": None, "rotary_scaling_factor": None,
+    "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True, "summary_activation": None,
+    "summary_first_dropout": 0.0, "summary_proj_to_labels": True, "summary_type": "cls_index",
+    "summary_use_proj": True, "torch_dtype": "float32", "transformers_version": "4.34.0", "type_vocab_size": 2,
+    "use_cache": True, "use_flash_attn": True, "use_rms_norm": False, "use_xentropy": True, "vocab_size": 30528,
+}  # fmt: skip
 
 DecoderFamily = Literal["qwen2", "llama", "mistral"]
 
@@ -110,4 +135,48 @@ def build_modernbert(out_dir: Path, *, layers: int = 4, local_attention: int = 1
             layer.attn.Wqkv.weight.mul_(8.0)
     model.save_pretrained(str(out))
     write_st_pooling(out, st_pooling, normalize=True, hidden=64, max_seq_length=8192, seed=seed)
+    return out
+
+
+def build_nomic_bert(out_dir: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0) -> Path:
+    """A small nomic-embed-text-v1.5: its config.json layout (remote code, which nothing here runs), its parameter
+    names, random weights; the MiniLM WordPiece tokenizer, mean pooling and Normalize, and nomic's task prefixes
+    as prompts. Returns the directory; `nomic_bert_weights` reads the tensors back for a reference."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _write_bert_tokenizer(out, 2048)
+    config = {**NOMIC_BERT_CONFIG, "n_embd": hidden, "n_head": heads, "n_inner": 3 * hidden, "n_layer": layers,
+              "vocab_size": vocab}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        return mean + scale * torch.randn(*shape, generator=g)
+
+    w: dict[str, torch.Tensor] = {
+        "embeddings.word_embeddings.weight": rand(vocab, hidden),
+        "embeddings.token_type_embeddings.weight": rand(2, hidden),
+        "emb_ln.weight": rand(hidden, scale=0.1, mean=1.0), "emb_ln.bias": rand(hidden),
+    }  # fmt: skip
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        w |= {
+            # weights large enough that attention is sharp and the MLP moves the residual stream: a swapped
+            # gate, a wrong rotary or norm order shows in the output
+            p + "attn.Wqkv.weight": rand(3 * hidden, hidden, scale=0.2),
+            p + "attn.out_proj.weight": rand(hidden, hidden, scale=0.2),
+            p + "mlp.fc11.weight": rand(3 * hidden, hidden, scale=0.3),
+            p + "mlp.fc12.weight": rand(3 * hidden, hidden, scale=0.3),
+            p + "mlp.fc2.weight": rand(hidden, 3 * hidden, scale=0.2),
+            p + "norm1.weight": rand(hidden, scale=0.1, mean=1.0), p + "norm1.bias": rand(hidden),
+            p + "norm2.weight": rand(hidden, scale=0.1, mean=1.0), p + "norm2.bias": rand(hidden),
+        }  # fmt: skip
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    prompts = {"query": "search_query: ", "document": "search_document: "}
+    write_st_pooling(out, "mean", normalize=True, hidden=hidden, prompts=prompts, max_seq_length=2048, seed=seed)
     return out

@@ -92,6 +92,7 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
     arch, cls = model_class(hf_config)
+    hf_config = cls.standard_config(hf_config)
     st = read_st_modules(path)
     if cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
         pooling = PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")

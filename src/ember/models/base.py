@@ -68,6 +68,12 @@ class Architecture(nn.Module, ABC):
         return None
 
     @staticmethod
+    def standard_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """config.json with transformers' standard size names (hidden_size, num_attention_heads,
+        num_hidden_layers, intermediate_size) added where the checkpoint spells them its own way, for sizing."""
+        return cfg
+
+    @staticmethod
     def checkpoint_rows(cfg: dict[str, Any]) -> dict[str, list[int]]:
         """Checkpoint tensors of which only some rows are needed, read row by row (e.g. two rows of a
         (vocabulary, hidden) LM head): name -> rows."""

@@ -15,6 +15,7 @@ from ember.models.classifier import (
 from ember.models.gemma3 import Gemma3Model
 from ember.models.llama import LlamaModel
 from ember.models.modernbert import ModernBertModel
+from ember.models.nomic_bert import NomicBertModel
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
@@ -26,6 +27,7 @@ ARCHITECTURES: dict[str, type[Architecture]] = {
     "Gemma3ForCausalLM": Gemma3Model,
     "ModernBertModel": ModernBertModel,
     "ModernBertForMaskedLM": ModernBertModel,
+    "NomicBertModel": NomicBertModel,
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "XLMRobertaModel": BertModel,
@@ -43,6 +45,7 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralModel",
     "gemma3_text": "Gemma3TextModel",
     "modernbert": "ModernBertModel",
+    "nomic_bert": "NomicBertModel",
     "bert": "BertModel",
     "xlm-roberta": "XLMRobertaModel",
 }
