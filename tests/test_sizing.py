@@ -174,3 +174,37 @@ def test_a_request_of_two_million_inputs_is_refused_in_a_700_mb_cgroup_not_oom_k
             srv.stop()
             time.sleep(0.2)
         assert peak < 700 * 2**20
+
+
+@pytest.fixture(scope="module")
+def e5_mistral_7b(tmp_path_factory):
+    from checkpoints.families import E5_MISTRAL_7B_CONFIG, write_shape_only_checkpoint
+
+    return write_shape_only_checkpoint(tmp_path_factory.mktemp("e5-mistral-7b"), E5_MISTRAL_7B_CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("limit_gib", "quantization", "outcome"),
+    [
+        (16, None, "weights 13.24 GiB"),  # bf16 fits 16 GiB
+        (16, "int8", "weights 6.74 GiB"),  # every linear layer at one byte, embeddings and norms in bf16
+        (12, None, "--quantization int8 (weights 6.74 GiB; it fits)"),  # refused, and told what would fit
+        (8, None, "needs about 14.29 GiB"),  # refused: int8 would not fit either, so it is not offered
+        (8, "int8", "needs about 7.79 GiB"),
+    ],
+)
+def test_a_7b_mistral_embedder_is_planned_or_refused_with_the_reason(e5_mistral_7b, limit_gib, quantization, outcome):
+    from ember.config import ModelConfig
+    from ember.engine.build import plan
+
+    memory = MemoryBudget(limit_gib * GIB, limit_gib * GIB, 64 * GIB, "cgroup v2 memory.max")
+    config = ModelConfig(str(e5_mistral_7b), dtype="bfloat16", quantization=quantization)
+    if outcome.startswith("weights"):
+        p = plan(config, memory)
+        assert outcome in p.memory.describe()
+        assert p.max_model_len == 4096  # e5-mistral's sliding window
+        return
+    with pytest.raises(ConfigError, match="does not fit") as refused:
+        plan(config, memory)
+    assert outcome in str(refused.value)
+    assert ("--quantization int8" in str(refused.value)) == (limit_gib == 12)

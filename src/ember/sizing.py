@@ -146,10 +146,12 @@ def plan_memory(
     limit_override: int | None = None,
     dtype_bytes: int = 2,
     dimension: int = 0,
+    int8_weights_bytes: int | None = None,
 ) -> MemoryPlan:
     """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit. With the
     model's output `dimension`, half of what is left for the queue holds answers: the most vectors queued requests
-    may ask for (each dimension x OUTPUT_VALUE_BYTES), so a queue of one-token inputs cannot outgrow memory."""
+    may ask for (each dimension x OUTPUT_VALUE_BYTES), so a queue of one-token inputs cannot outgrow memory.
+    `int8_weights_bytes`: what the weights would take with --quantization int8, named in the refusal if it fits."""
     available = limit_override or memory.available_bytes
     parts = memory.source.split("; ")
     source = "--memory-limit" if limit_override else parts[0] if memory.limit_bytes else parts[-1]
@@ -159,6 +161,8 @@ def plan_memory(
     if left < need_one:
         need = RUNTIME_BYTES + weights_bytes + fixed_bytes + need_one
         hints = ["--dtype bfloat16 (half the memory of float32)"] if dtype_bytes == 4 else []
+        if int8_weights_bytes is not None and left + weights_bytes - int8_weights_bytes >= need_one:
+            hints.insert(0, f"--quantization int8 (weights {int8_weights_bytes / GIB:.2f} GiB; it fits)")
         hints += ["a smaller --max-model-len with chunked processing", "a smaller model"]
         raise ConfigError(
             f"the model does not fit: it needs about {need / GIB:.2f} GiB (weights {weights_bytes / GIB:.2f} GiB, "

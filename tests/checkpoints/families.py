@@ -15,13 +15,24 @@ from checkpoints.builders import _build_model, _save_model, _write_bert_tokenize
 from checkpoints.qwen_tokenizer import QWEN3_EOS_ID, QWEN3_VOCAB_SIZE, build_qwen3_tokenizer
 
 __all__ = [
+    "E5_MISTRAL_7B_CONFIG",
     "NOMIC_BERT_CONFIG",
     "DecoderFamily",
     "build_decoder",
     "build_gemma3",
     "build_modernbert",
     "build_nomic_bert",
+    "write_shape_only_checkpoint",
 ]
+
+#: config.json of intfloat/e5-mistral-7b-instruct.
+E5_MISTRAL_7B_CONFIG: dict[str, Any] = {
+    "architectures": ["MistralModel"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pad_token_id": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+    "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": False, "vocab_size": 32000,
+}  # fmt: skip
 
 #: config.json of nomic-ai/nomic-embed-text-v1.5 (remote code: NomicBertModel), sizes aside.
 NOMIC_BERT_CONFIG: dict[str, Any] = {
@@ -179,4 +190,38 @@ def build_nomic_bert(out_dir: Path, *, layers: int = 2, hidden: int = 64, heads:
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     prompts = {"query": "search_query: ", "document": "search_document: "}
     write_st_pooling(out, "mean", normalize=True, hidden=hidden, prompts=prompts, max_seq_length=2048, seed=seed)
+    return out
+
+
+def write_shape_only_checkpoint(out_dir: Path, config: dict[str, Any]) -> Path:
+    """config.json and a model.safetensors whose header lists a Llama-family model's tensors in bfloat16 and whose
+    data is a hole (a sparse file: no disk used), for planning a 7B model's memory without its 14 GB."""
+    import json
+    import struct
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    shapes: dict[str, list[int]] = {"embed_tokens.weight": [v, h], "norm.weight": [h]}
+    for n in range(config["num_hidden_layers"]):
+        p = f"layers.{n}."
+        shapes |= {p + "self_attn.q_proj.weight": [h, h], p + "self_attn.k_proj.weight": [kv, h],
+                   p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.o_proj.weight": [h, h],
+                   p + "mlp.gate_proj.weight": [i, h], p + "mlp.up_proj.weight": [i, h],
+                   p + "mlp.down_proj.weight": [h, i], p + "input_layernorm.weight": [h],
+                   p + "post_attention_layernorm.weight": [h]}  # fmt: skip
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * int(__import__("math").prod(shape))
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
     return out

@@ -104,9 +104,11 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     max_model_len = _max_model_len(shape.max_positions, st.max_seq_length, config.max_model_len)
     size = dtype.itemsize
     weights = parameter_count(path) * size
-    if config.quantization == "int8":  # the quantised matrices at one byte, the rest in the compute dtype
-        q8 = sum(int(m.weight.numel()) for m in int8_targets(shape, cls.int8_layers).values())
-        weights -= q8 * (size - 1)
+    # with int8 the quantised matrices take one byte, the rest the compute dtype
+    q8 = sum(int(m.weight.numel()) for m in int8_targets(shape, cls.int8_layers).values())
+    int8_weights = weights - q8 * (size - 1)
+    if config.quantization == "int8":
+        weights = int8_weights
     intermediate = hf_config.get("intermediate_size", 4 * shape.hidden_size)
     memory_plan = plan_memory(
         memory or memory_budget(),
@@ -119,6 +121,7 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
         limit_override=config.memory_limit,
         dtype_bytes=size,
         dimension=shape.hidden_size if cls.task == "embed" else 0,
+        int8_weights_bytes=None if config.quantization else int8_weights,
     )
     act = activation(hf_config) if cls.task == "score" else "identity"
     return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, act)
