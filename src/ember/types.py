@@ -9,7 +9,8 @@ import numpy as np
 
 __all__ = ["Activation", "KernelStatus", "ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials", "Task"]
 
-PoolingType = Literal["CLS", "MEAN", "LAST"]
+PoolingType = Literal["CLS", "MEAN", "LAST", "SPLADE"]
+"""SPLADE: a sparse model's vocabulary weights (max of log(1 + relu(MLM logits)) over the tokens)."""
 Task = Literal["embed", "score"]
 """embed: a vector per input (embedding models); score: a relevance score per (query, document) pair
 (cross-encoders and rerankers)."""
@@ -51,6 +52,9 @@ class ModelInfo:
     pair_template: Literal["tokenizer", "qwen3-reranker"] = "tokenizer"
     """How a (query, document) pair becomes one input: the tokenizer's pair template ([CLS] q [SEP] d [SEP]),
     or Qwen3-Reranker's chat prompt."""
+    splade_strategy: Literal["max", "sum"] | None = None
+    """A sparse (SPLADE) model's merge over tokens; its vector is then a weight per vocabulary entry
+    (`dimension` = vocabulary size), served dense on /v1/embeddings and as {index, value} pairs on /embed_sparse."""
 
 
 @dataclass(frozen=True)

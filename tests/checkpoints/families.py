@@ -22,6 +22,7 @@ __all__ = [
     "build_gemma3",
     "build_modernbert",
     "build_nomic_bert",
+    "build_splade",
     "write_shape_only_checkpoint",
 ]
 
@@ -224,4 +225,33 @@ def write_shape_only_checkpoint(out_dir: Path, config: dict[str, Any]) -> Path:
     with open(out / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + offset)
+    return out
+
+
+def build_splade(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, strategy: str = "max") -> Path:
+    """A small SPLADE model as sentence-transformers' SparseEncoder saves one (naver/splade-v3's layout): a
+    BertForMaskedLM (`bert.*` and `cls.predictions.*`, decoder tied), MLMTransformer + SpladePooling modules."""
+    import json
+
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _write_bert_tokenizer(out, 512)
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=4, intermediate_size=4 * hidden,
+                                     architectures=["BertForMaskedLM"])  # fmt: skip
+    model = _build_model(transformers.BertForMaskedLM, config, seed)
+    model.save_pretrained(str(out))
+    st = "sentence_transformers.sparse_encoder.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": st + "MLMTransformer"},
+               {"idx": 1, "name": "1", "path": "1_SpladePooling", "type": st + "SpladePooling"}]  # fmt: skip
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_SpladePooling").mkdir(exist_ok=True)
+    pooling = {"pooling_strategy": strategy, "activation_function": "relu", "embedding_dimension": vocab}
+    (out / "1_SpladePooling" / "config.json").write_text(json.dumps(pooling))
+    st_config = {"model_type": "SparseEncoder", "prompts": {"query": "", "document": ""}, "default_prompt_name": None,
+                 "similarity_fn_name": "dot"}  # fmt: skip
+    (out / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
     return out

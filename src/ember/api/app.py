@@ -17,6 +17,7 @@ from ember.api.middleware import EdgeMiddleware
 from ember.api.openapi import install_openapi
 from ember.api.routes import Context, inference, probes
 from ember.api.scoring import scoring
+from ember.api.sparse import sparse
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.version import __version__
@@ -56,8 +57,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     app.include_router(scoring)
     app.include_router(cohere)
     app.include_router(invocations)
+    app.include_router(sparse)
     app.include_router(probes)
-    protected = {route.path for router in (inference, scoring, cohere, invocations) for route in router.routes}  # type: ignore[attr-defined]
+    protected = {route.path for router in (inference, scoring, cohere, invocations, sparse) for route in router.routes}  # type: ignore[attr-defined]
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
                        api_keys=config.api_keys, protected=protected)  # fmt: skip
     return app

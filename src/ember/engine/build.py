@@ -35,6 +35,7 @@ from ember.models.checkpoint import (
 from ember.models.classifier import activation, num_labels
 from ember.models.dense import Dense
 from ember.models.registry import model_class
+from ember.models.splade import SPLADE_SLICE, SpladeModel
 from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
 from ember.ops.linear import pack_linears
 from ember.ops.quant import int8_targets, quantize_int8
@@ -91,10 +92,13 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     """Decide everything about loading `config.model` and check it fits, reading no weight."""
     path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
-    arch, cls = model_class(hf_config)
-    hf_config = cls.standard_config(hf_config)
     st = read_st_modules(path)
-    if cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
+    arch, cls = model_class(hf_config, sparse=st.splade_strategy is not None)
+    hf_config = cls.standard_config(hf_config)
+    if cls is SpladeModel:
+        hf_config = {**hf_config, "splade_pooling_strategy": st.splade_strategy or "max"}
+        pooling = PoolingSpec("SPLADE", False, "modules.json" if st.splade_strategy else "architecture")
+    elif cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
         pooling = PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")
     else:
         pooling = resolve_pooling(st, config.pooler, is_decoder=cls.is_decoder)
@@ -110,17 +114,19 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     if config.quantization == "int8":
         weights = int8_weights
     intermediate = hf_config.get("intermediate_size", 4 * shape.hidden_size)
+    output = hf_config["vocab_size"] if cls is SpladeModel else shape.hidden_size
+    head = 3 * 4 * SPLADE_SLICE * output if cls is SpladeModel else 0  # a slice's vocabulary logits, float32
     memory_plan = plan_memory(
         memory or memory_budget(),
         weights_bytes=weights,
         per_token_bytes=activation_bytes_per_token(hf_config, size),
-        fixed_bytes=TOKEN_SLICE * size * 3 * intermediate,
+        fixed_bytes=TOKEN_SLICE * size * 3 * intermediate + head,
         max_model_len=max_model_len,
         batch_tokens=config.max_batch_tokens,
         queued_tokens=config.max_queued_tokens,
         limit_override=config.memory_limit,
         dtype_bytes=size,
-        dimension=shape.hidden_size if cls.task == "embed" else 0,
+        dimension=output if cls.task == "embed" else 0,
         int8_weights_bytes=None if config.quantization else int8_weights,
     )
     act = activation(hf_config) if cls.task == "score" else "identity"
@@ -164,10 +170,16 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
     dims = p.hf_config.get("matryoshka_dimensions")
+    if score:
+        dimension = num_labels(p.hf_config)
+    elif p.pooling.method == "SPLADE":  # a weight per vocabulary entry
+        dimension = int(p.hf_config["vocab_size"])
+    else:
+        dimension = dense[-1].linear.out_features if dense else net.hidden_size
     info = ModelInfo(
         name=p.name,
         architecture=p.architecture,
-        dimension=num_labels(p.hf_config) if score else dense[-1].linear.out_features if dense else net.hidden_size,
+        dimension=dimension,
         max_model_len=p.max_model_len,
         dtype=str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if config.quantization else ""),
         pooling=p.pooling,
@@ -180,6 +192,7 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         num_labels=num_labels(p.hf_config) if score else 0,
         activation=p.activation,
         pair_template="qwen3-reranker" if score and p.cls.is_decoder else "tokenizer",
+        splade_strategy=p.hf_config.get("splade_pooling_strategy") if p.pooling.method == "SPLADE" else None,
     )
     seconds = time.perf_counter() - start
     log.info(

@@ -69,14 +69,20 @@ def weighted_mean(vectors: list[np.ndarray], weights: list[int]) -> np.ndarray:
     return (stacked * w[:, None]).sum(0) / w.sum()
 
 
-def embed_windows(parts: list[np.ndarray], lengths: list[int], dimensions: int | None, normalize: bool) -> np.ndarray:
+def embed_windows(
+    parts: list[np.ndarray], lengths: list[int], dimensions: int | None, normalize: bool, merge: str = "mean"
+) -> np.ndarray:
     """One input's embedding from its pooled windows: head on each, token-weighted mean, head again.
 
     A single window is just the head. For several, each window goes through the head as it
     would alone (as vLLM's chunked processing does); the mean is normalised again when the
-    model normalises, so clients always get unit vectors.
+    model normalises, so clients always get unit vectors. A sparse (SPLADE) model's windows merge as its tokens
+    do (`merge` max or sum), so a chunked input gets the weights it would have whole.
     """
     if len(parts) == 1:
         return embedding_head(parts[0], dimensions, normalize)
+    if merge != "mean":
+        stacked = np.stack(parts)  # (W, vocabulary)
+        return stacked.max(0) if merge == "max" else stacked.sum(0)
     heads = [embedding_head(p, dimensions, normalize) for p in parts]
     return embedding_head(weighted_mean(heads, lengths).astype(np.float32), None, normalize)

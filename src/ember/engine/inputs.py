@@ -246,16 +246,16 @@ class Preprocessor:
             for ids in seqs
         ]  # fmt: skip
 
-    @staticmethod
     def vectors(
-        windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
+        self, windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
     ) -> list[np.ndarray]:
         """Each input's vector from its pooled windows (keyed (input, window)): head, and merge when chunked; with
         `per_token`, each input's (tokens, D) states with the head applied to every row."""
         if prepared.per_token:
             return [token_head(pooled[(i, 0)], prepared.dimensions, prepared.normalize) for i in range(len(windows))]
+        merge = self.info.splade_strategy or "mean"
         return [
             embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
-                          prepared.normalize)
+                          prepared.normalize, merge)
             for i, ws in enumerate(windows)
         ]  # fmt: skip

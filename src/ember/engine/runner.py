@@ -48,6 +48,8 @@ class TorchRunner:
         positions = _positions(lens)  # (T,)
         with compiled(self.compiled):
             hidden = self.model(input_ids, positions, lens, types)  # (T, H)
+        if self.info.pooling.method == "SPLADE":  # (B, vocabulary) float32 weights
+            return self.model.sparse(hidden[:total], seqlens).numpy()
         pooled = pool(hidden[:total], seqlens, self.info.pooling.method)  # (B, H) float32
         logits = self.model.classify(pooled.to(hidden.dtype))
         if logits is not None:  # a score model: (B, num_labels)

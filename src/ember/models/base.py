@@ -67,6 +67,11 @@ class Architecture(nn.Module, ABC):
         embedding model (its pooled states are the output)."""
         return None
 
+    def sparse(self, hidden: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        """A sparse (SPLADE) model's vocabulary weights per input from packed hidden states (T, hidden):
+        (B, vocabulary) float32. Other models have none."""
+        raise NotImplementedError(f"{type(self).__name__} has no sparse head")
+
     @staticmethod
     def standard_config(cfg: dict[str, Any]) -> dict[str, Any]:
         """config.json with transformers' standard size names (hidden_size, num_attention_heads,

@@ -16,6 +16,7 @@ from ember.models.gemma3 import Gemma3Model
 from ember.models.llama import LlamaModel
 from ember.models.modernbert import ModernBertModel
 from ember.models.nomic_bert import NomicBertModel
+from ember.models.splade import SpladeModel
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, type[Architecture]] = {
     "XLMRobertaModel": BertModel,
     "XLMRobertaForMaskedLM": BertModel,
     "RobertaModel": BertModel,
+    "BertSpladeSparseEmbeddingModel": SpladeModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
@@ -51,14 +53,18 @@ _BY_MODEL_TYPE = {
 }
 
 
-def model_class(config: dict[str, Any]) -> tuple[str, type[Architecture]]:
-    """The architecture name and ember's class for a config.json."""
+def model_class(config: dict[str, Any], sparse: bool = False) -> tuple[str, type[Architecture]]:
+    """The architecture name and ember's class for a config.json; `sparse` when sentence-transformers' files say
+    SpladePooling (the checkpoint itself is a plain BertForMaskedLM)."""
     names = list(config.get("architectures") or [])
     if not names and config.get("model_type") in _BY_MODEL_TYPE:
         names = [_BY_MODEL_TYPE[config["model_type"]]]
     for name in names:
         if name in ARCHITECTURES:
-            return name, ARCHITECTURES[name]
+            cls = ARCHITECTURES[name]
+            if sparse and cls not in (BertModel, SpladeModel):
+                raise UnsupportedModelError(f"SPLADE pooling needs a BERT masked-LM checkpoint, not {name}")
+            return name, SpladeModel if sparse else cls
     raise UnsupportedModelError(
         f"unsupported architecture {names or config.get('model_type')!r}; "
         f"ember supports: {', '.join(sorted(ARCHITECTURES))}"

@@ -44,6 +44,8 @@ class STModules:
     present: bool = False
     pooling_error: str | None = None
     """Why the Pooling module cannot run as written (max, weightedmean, ...); an override can replace it."""
+    splade_strategy: str | None = None
+    """A SparseEncoder's SpladePooling: max or sum over the tokens (pooling is then SPLADE)."""
 
 
 def _read_json(file: Path) -> Any:
@@ -63,12 +65,15 @@ def read_st_modules(path: Path) -> STModules:
     pooling_error = None
     normalize = False
     dense: list[Path] = []
+    splade = None
     for module in _read_json(modules_file):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         where = path / module.get("path", "")
-        if kind == "Transformer":
+        if kind in ("Transformer", "MLMTransformer"):
             continue
-        if kind == "Pooling":
+        if kind == "SpladePooling":
+            pooling, splade = "SPLADE", _splade_strategy(where / "config.json")
+        elif kind == "Pooling":
             try:
                 pooling = _pooling_mode(where / "config.json")
             except UnsupportedModelError as e:
@@ -80,7 +85,7 @@ def read_st_modules(path: Path) -> STModules:
         else:
             raise UnsupportedModelError(
                 f"{modules_file}: sentence-transformers module {module.get('type')!r} is not supported "
-                "(ember runs Transformer, Pooling, Dense and Normalize)"
+                "(ember runs Transformer, Pooling, Dense and Normalize, and MLMTransformer + SpladePooling)"
             )
     return STModules(
         pooling=pooling,
@@ -88,8 +93,20 @@ def read_st_modules(path: Path) -> STModules:
         dense_dirs=tuple(dense),
         present=True,
         pooling_error=pooling_error,
+        splade_strategy=splade,
         **extras,
     )
+
+
+def _splade_strategy(file: Path) -> str:
+    cfg = _read_json(file) if file.is_file() else {}
+    strategy, act = cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu")
+    if strategy not in ("max", "sum") or act != "relu":
+        raise UnsupportedModelError(
+            f"{file}: SpladePooling with pooling_strategy {strategy!r} and activation_function {act!r} is not "
+            "supported (max or sum, relu)"
+        )
+    return str(strategy)
 
 
 def _pooling_mode(file: Path) -> PoolingType:
