@@ -168,3 +168,40 @@ def test_a_model_swallowed_by_served_model_name_stops_the_start():
     with pytest.raises(ConfigError, match="put the model first"):
         check_runner(a)
     check_runner(serve_args("--served-model-name", "emb"))  # the default model under one name: meant
+
+
+def test_an_unwritable_tmp_falls_back_to_the_cache_dir_with_a_log_line(tmp_path):
+    """A read-only root without a tmpfs at /tmp: torch creates its cache directory as soon as torch._dynamo is
+    imported (loading any model does), so ember picks a writable one before, and says so."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    cache = tmp_path / "cache"
+    env = {"TMPDIR": str(blocked / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(blocked / "inductor"),
+           "EMBER_CACHE_DIR": str(cache)}  # fmt: skip
+    doctor = _ember("doctor", "--json", env=env)
+    assert doctor.returncode == 0, doctor.stderr
+    assert f"torch's cache directory {blocked / 'inductor'} is not writable: using /tmp/inductor" in doctor.stderr
+
+
+def test_the_cache_dir_is_the_next_choice_after_the_temp_dirs(tmp_path, monkeypatch):
+    from ember.cli import runtime
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setattr(runtime, "_temp_dirs", lambda: [str(blocked)])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocked / "ember-inductor"))
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    assert runtime.torch_cache_dir() == str(tmp_path / "cache" / "ember-inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "ember-inductor")
+
+
+def test_no_writable_directory_for_torchs_cache_is_one_clear_error(monkeypatch):
+    from ember.cli import runtime
+
+    def read_only(path, exist_ok=False):
+        raise OSError(30, "Read-only file system", path)
+
+    monkeypatch.setattr(runtime.os, "makedirs", read_only)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/ember-inductor")
+    with pytest.raises(ConfigError, match="mount a tmpfs at /tmp"):
+        runtime.torch_cache_dir()

@@ -200,6 +200,8 @@ class EngineConfig:
     """After warm-up, compile the fused elementwise regions (torch.compile) on a background thread while
     serving eagerly, then switch to them (on by default in `ember serve`; off with --enforce-eager). ember's
     native kernels are not governed by this: see NativeConfig."""
+    eager_reason: str = "--enforce-eager"
+    """Why the fused regions are off when compile_kernels is False (shown by /info and the start-up log)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

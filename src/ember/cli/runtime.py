@@ -19,7 +19,7 @@ from ember.hardware import ISA_TIERS, isa_tier, limit_isa, native_cpu_flags, one
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
-__all__ = ["cap_isa", "connection_limit", "native_config", "parse_bytes", "prepare_process"]
+__all__ = ["cap_isa", "connection_limit", "native_config", "parse_bytes", "prepare_process", "torch_cache_dir"]
 
 
 log = logging.getLogger("ember.cli")
@@ -94,6 +94,7 @@ def connection_limit(asked: int | None) -> int:
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
     """Decide and apply the instruction-set cap, the thread count and binding; call before importing torch."""
     cap_isa(os.environ.get("EMBER_MAX_ISA", "").strip().lower() or None)
+    torch_cache_dir()
     label = "--threads" if threads is not None else "EMBER_THREADS"
     requested = threads if threads is not None else _int_env("EMBER_THREADS")
     bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or None
@@ -120,6 +121,44 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
         os.environ.get(_REEXEC_MARK, "system malloc"),
     )  # fmt: skip
     return plan
+
+
+def torch_cache_dir() -> str:
+    """A writable TORCHINDUCTOR_CACHE_DIR, set before torch is imported: torch creates it when torch._dynamo is
+    first imported (even with --enforce-eager), so a read-only root with no writable /tmp failed at start. Tried
+    in order: the operator's setting, torch's default under the temp dir, EMBER_CACHE_DIR, /dev/shm; none
+    writable is a clear error naming the fix."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "") or str(os.getuid()))
+    name = os.path.basename(given.rstrip("/")) if given else f"torchinductor_{user}"  # keeps a capped tier's own
+    candidates = [given] if given else []
+    candidates += [os.path.join(d, name) for d in _temp_dirs()]
+    if os.environ.get("EMBER_CACHE_DIR"):
+        candidates.append(os.path.join(os.environ["EMBER_CACHE_DIR"], name))
+    candidates.append(os.path.join("/dev/shm", name))
+    for path in candidates:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK | os.X_OK):
+            if path != candidates[0]:
+                log.warning("torch's cache directory %s is not writable: using %s (mount a writable /tmp, or set "
+                            "TORCHINDUCTOR_CACHE_DIR)", candidates[0], path)  # fmt: skip
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+            return path
+    raise ConfigError(
+        f"no writable directory for torch's cache (tried {', '.join(candidates)}): with a read-only root, mount a "
+        "tmpfs at /tmp (docker run --tmpfs /tmp; a Kubernetes emptyDir) or set TORCHINDUCTOR_CACHE_DIR"
+    )
+
+
+def _temp_dirs() -> list[str]:
+    """The temp directory Python would use, or the usual ones when none is usable."""
+    try:
+        return [tempfile.gettempdir()]
+    except FileNotFoundError:  # no usable temp directory at all
+        return [os.environ.get("TMPDIR") or "/tmp"]
 
 
 def cap_isa(tier: str | None) -> None:

@@ -84,16 +84,20 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     )
 
 
-def _compile_kernels(enforce_eager: bool) -> bool:
-    """torch.compile's fused regions unless told not to, where a C++ compiler can build them."""
+def _compile_kernels(enforce_eager: bool) -> tuple[bool, str]:
+    """torch.compile's fused regions unless told not to, where a C++ compiler can build them; and if not, why."""
     from ember.ops.fused import can_compile
 
     if enforce_eager:
-        return False
+        return False, "--enforce-eager"
     if not can_compile():
-        log.warning("no C++ compiler (g++) found: serving with eager kernels, ~1.3x slower; install g++ to fix")
-        return False
-    return True
+        log.warning(
+            "no C++ compiler (g++) found: torch.compile's fused kernels are off. ember's native kernels are not "
+            "affected (prebuilt ones load without a compiler: `ember build-kernels` at image build); Qwen3 and "
+            "other decoders run their elementwise steps eagerly, BERT-family models do not use fused kernels"
+        )
+        return False, "no C++ compiler"
+    return True, ""
 
 
 def _serve(args: argparse.Namespace, threads: int) -> int:
@@ -112,13 +116,15 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
         loaded = loader.submit(load, config, native_config()).result()
+    compile_kernels, eager_reason = _compile_kernels(args.enforce_eager)
     engine_config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
         max_queue_seconds=args.max_queue_seconds,
         auto_truncate=args.truncate,
         batch_wait_seconds=args.batch_wait_ms / 1000,
-        compile_kernels=_compile_kernels(args.enforce_eager),
+        compile_kernels=compile_kernels,
+        eager_reason=eager_reason,
     )
     engine = build_engine(loaded, engine_config, tokenizer_threads=min(threads, 4))
     names = (loaded.info.name, *(args.served_model_name or [])[1:])

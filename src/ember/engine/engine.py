@@ -128,7 +128,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._model_thread, self.runner.embed, warm)
         self._task = asyncio.create_task(self._run(), name="ember-scheduler")
-        fused = "building in the background" if self.config.compile_kernels else "off (--enforce-eager)"
+        fused = "building in the background" if self.config.compile_kernels else f"off ({self.config.eager_reason})"
         self.kernels["fused"] = KernelStatus("fused", False, fused)
         threading.Thread(target=self._prepare_kernels, name="ember-kernels", daemon=True).start()
 
