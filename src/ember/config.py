@@ -206,7 +206,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and not isinstance(value, bool) and value <= 0 and f.name != "batch_wait_seconds":
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and value <= 0 and f.name != "batch_wait_seconds":
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
 
 
