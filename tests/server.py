@@ -55,3 +55,20 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+def litellm_proxy_command() -> list[str]:
+    """`litellm` with the proxy extras: $EMBER_TEST_LITELLM_PROXY (a separate virtualenv's bin/litellm, as .ci/run
+    makes, since litellm[proxy]'s pins would hold back this environment's fastapi and uvicorn), or this env's; the
+    calling test is skipped when there is neither."""
+    import importlib.util
+    import os
+    import sys
+
+    import pytest
+
+    if os.environ.get("EMBER_TEST_LITELLM_PROXY"):
+        return [os.environ["EMBER_TEST_LITELLM_PROXY"]]
+    if importlib.util.find_spec("apscheduler") is None or importlib.util.find_spec("litellm") is None:
+        pytest.skip("litellm[proxy] is not installed (or set EMBER_TEST_LITELLM_PROXY to a litellm executable)")
+    return [sys.executable, "-m", "litellm.proxy.proxy_cli"]

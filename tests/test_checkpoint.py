@@ -74,7 +74,7 @@ def _edit_weights(path, fn):
         (lambda p: (p / "config.json").unlink(), CheckpointError, "no config.json"),
         (lambda p: (p / "tokenizer.json").unlink(), CheckpointError, "no tokenizer.json"),
         (lambda p: (p / "model.safetensors").unlink(), CheckpointError, "no weights"),
-        (lambda p: _edit_config(p, architectures=["LlamaForCausalLM"]), UnsupportedModelError, "BertModel"),
+        (lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]), UnsupportedModelError, "BertModel"),
         (
             lambda p: _edit_weights(p, lambda s: s.pop("encoder.layer.1.output.dense.weight")),
             CheckpointError,

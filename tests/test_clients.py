@@ -14,7 +14,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 
 from checkpoints import build_bert
 from ember import Embedder
-from server import Server, free_port
+from server import Server, free_port, litellm_proxy_command
 
 # Before any client is imported: LiteLLM would fetch its price map from GitHub at import, Haystack and Chroma
 # would send telemetry.
@@ -231,20 +230,9 @@ def test_litellm_proxy_config_routes_to_ember(url, expected, assert_query, monke
     assert_query(query.data[0]["embedding"], dimensions=DIMS)
 
 
-def _proxy_command() -> list[str]:
-    """`litellm` with the proxy extras: $EMBER_TEST_LITELLM_PROXY (e.g. a separate venv's bin/litellm), or this env's."""
-    if os.environ.get("EMBER_TEST_LITELLM_PROXY"):
-        return [os.environ["EMBER_TEST_LITELLM_PROXY"]]
-    import importlib.util
-
-    if importlib.util.find_spec("apscheduler") is None or importlib.util.find_spec("litellm") is None:
-        pytest.skip("litellm[proxy] is not installed (or set EMBER_TEST_LITELLM_PROXY to a litellm executable)")
-    return [sys.executable, "-m", "litellm.proxy.proxy_cli"]
-
-
 @pytest.mark.slow
 def test_litellm_proxy_end_to_end(url, expected, assert_query, tmp_path):
-    command = _proxy_command()
+    command = litellm_proxy_command()
     config = tmp_path / "config.yaml"
     config.write_text(doc_block("yaml"))
     master = "sk-proxy-test"

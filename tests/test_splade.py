@@ -24,7 +24,7 @@ def splade_dir(request, tmp_path_factory):
 
 def test_vocabulary_weights_equal_sentence_transformers(splade_dir):
     ref = st_sparse(splade_dir, TEXTS)
-    embedder = Embedder(str(splade_dir), dtype="float32")
+    embedder = Embedder(str(splade_dir), dtype="float32", enforce_eager=True)
     ours = embedder.embed(TEXTS).vectors
     assert embedder.info.dimension == ours.shape[1] == ref.shape[1] == embedder.tokenizer.vocab_size
     assert embedder.info.pooling.method == "SPLADE" and not embedder.info.pooling.normalize
@@ -33,7 +33,7 @@ def test_vocabulary_weights_equal_sentence_transformers(splade_dir):
 
 
 def test_a_text_alone_equals_the_same_text_in_a_batch(splade_dir):
-    embedder = Embedder(str(splade_dir), dtype="float32")
+    embedder = Embedder(str(splade_dir), dtype="float32", enforce_eager=True)
     batch = embedder.embed(TEXTS).vectors
     alone = np.stack([embedder.embed([t]).vectors[0] for t in TEXTS])
     np.testing.assert_allclose(batch, alone, atol=1e-5)
@@ -43,11 +43,17 @@ def test_a_long_input_in_chunks_merges_as_its_tokens_do(tmp_path):
     """With chunked processing, a document longer than the model is embedded in windows whose weights merge by the
     pooling strategy (max), not by the dense models' mean."""
     path = build_splade(tmp_path)
-    whole = Embedder(str(path), dtype="float32")
+    whole = Embedder(str(path), dtype="float32", enforce_eager=True)
     text = " ".join(SENTENCES[:40])
     ids = whole.tokenizer.encode(text)
     assert len(ids) > 128
-    chunked = Embedder(str(path), dtype="float32", max_model_len=64, pooler_config={"enable_chunked_processing": True})
+    chunked = Embedder(
+        str(path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        pooler_config={"enable_chunked_processing": True},
+    )
     got = chunked.embed([ids]).vectors[0]
     content = ids[1:-1]
     windows = [ids[:1] + content[i : i + 62] + ids[-1:] for i in range(0, len(content), 62)]  # [CLS] part [SEP]
