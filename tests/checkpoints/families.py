@@ -228,7 +228,9 @@ def write_shape_only_checkpoint(out_dir: Path, config: dict[str, Any]) -> Path:
     return out
 
 
-def build_splade(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, strategy: str = "max") -> Path:
+def build_splade(
+    out_dir: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0, strategy: str = "max"
+) -> Path:
     """A small SPLADE model as sentence-transformers' SparseEncoder saves one (naver/splade-v3's layout): a
     BertForMaskedLM (`bert.*` and `cls.predictions.*`, decoder tied), MLMTransformer + SpladePooling modules."""
     import json
@@ -239,7 +241,7 @@ def build_splade(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int 
     out.mkdir(parents=True, exist_ok=True)
     vocab = _write_bert_tokenizer(out, 512)
     config = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                     num_attention_heads=4, intermediate_size=4 * hidden,
+                                     num_attention_heads=heads, intermediate_size=4 * hidden,
                                      architectures=["BertForMaskedLM"])  # fmt: skip
     model = _build_model(transformers.BertForMaskedLM, config, seed)
     model.save_pretrained(str(out))
