@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    maybe_reexec_with_allocator()
+    maybe_reexec_with_allocator(sys.argv[1:], [sys.executable, __file__])  # the allocator `ember serve` uses
     from indexing import cpu_name
 
     from ember import Embedder
@@ -182,7 +182,7 @@ def main() -> None:
     for family in args.families.split(","):
         path = model_dir(family)
         embedder = Embedder(str(path), dtype=args.dtype)
-        texts = make_texts(embedder.tokenizer, args.docs, 256)
+        texts = make_texts((256,) * args.docs, seed=7)
         tokens = sum(embedder.embed(texts).token_counts)
         ref = reference(family, path, args.dtype)
         if ref is not None:

@@ -2,9 +2,10 @@
 (ModernBERT's local layers, EmbeddingGemma's sliding layers), over packed variable-length sequences.
 
 A sequence no longer than the window sees all of itself, so it goes to varlen_attention (the native kernel where
-built). A longer one is cut into blocks of `window` queries, each attending to its own block and the window on
-either side: one SDPA call per sequence over (blocks, window + 2 window) keys, so the score matrix grows with the
-length times the window, never with the length squared.
+built). One shorter than three windows runs whole under an (L, L) band mask. A longer one is cut into blocks of
+`window` queries, each attending to its own block and the window on either side: one SDPA call per sequence over
+(blocks, window + 2 window) keys, so the score matrix grows with the length times the window, never with the
+length squared.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: 
     short: list[tuple[int, int]] = []  # (start, length) of the sequences that fit the window whole
     start = 0
     for n in seqlens:
+        s = slice(start, start + n)
         if n <= window + 1:
             short.append((start, n))
+        elif n < 3 * window:  # one (n, n) band mask costs less than blocks over 3 windows of keys each
+            out[s] = _masked(q[s], k[s], v[s], window)
         else:
-            s = slice(start, start + n)
             out[s] = _banded(q[s], k[s], v[s], window)
         start += n
     if len(short) == len(seqlens):
@@ -36,6 +39,15 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: 
         index = torch.cat([torch.arange(s, s + n) for s, n in short])
         out[index] = varlen_attention(q[index], k[index], v[index], [n for _, n in short], causal=False)
     return out
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """One sequence (L, H, D) a little longer than the window: all of it at once under an (L, L) band mask."""
+    i = torch.arange(q.shape[0])
+    band = (i[:, None] - i[None, :]).abs() <= window  # (L, L)
+    gqa = k.shape[1] != q.shape[1]
+    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, enable_gqa=gqa)[0].transpose(0, 1)
 
 
 def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
