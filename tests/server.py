@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -72,3 +74,33 @@ def litellm_proxy_command() -> list[str]:
     if importlib.util.find_spec("apscheduler") is None or importlib.util.find_spec("litellm") is None:
         pytest.skip("litellm[proxy] is not installed (or set EMBER_TEST_LITELLM_PROXY to a litellm executable)")
     return [sys.executable, "-m", "litellm.proxy.proxy_cli"]
+
+
+@contextlib.contextmanager
+def litellm_proxy(config: Path, env: dict[str, str], log: Path) -> Iterator[str]:
+    """The LiteLLM proxy (litellm_proxy_command) on `config` with `env`, its output in `log`: yields its base URL once
+    it is live, and stops it on exit."""
+    port = free_port()
+    cmd = [*litellm_proxy_command(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", **env}
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(base + "/health/liveliness", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

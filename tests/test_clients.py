@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +22,7 @@ import pytest
 
 from checkpoints import build_bert
 from ember import Embedder
-from server import Server, free_port, litellm_proxy_command
+from server import Server, litellm_proxy
 
 # Before any client is imported: LiteLLM would fetch its price map from GitHub at import, Haystack and Chroma
 # would send telemetry.
@@ -232,28 +230,11 @@ def test_litellm_proxy_config_routes_to_ember(url, expected, assert_query, monke
 
 @pytest.mark.slow
 def test_litellm_proxy_end_to_end(url, expected, assert_query, tmp_path):
-    command = litellm_proxy_command()
     config = tmp_path / "config.yaml"
     config.write_text(doc_block("yaml"))
     master = "sk-proxy-test"
-    port = free_port()
-    env = {**os.environ, "EMBER_API_BASE": url, "EMBER_API_KEY": KEY, "LITELLM_MASTER_KEY": master}
-    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
-    log = tmp_path / "proxy.log"
-    cmd = [*command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    env = {"EMBER_API_BASE": url, "EMBER_API_KEY": KEY, "LITELLM_MASTER_KEY": master}
+    with litellm_proxy(config, env, tmp_path / "proxy.log") as base:
         auth = {"Authorization": f"Bearer {master}"}
 
         # the page's curl
@@ -278,13 +259,6 @@ def test_litellm_proxy_end_to_end(url, expected, assert_query, tmp_path):
         assert health["healthy_count"] == 1 and health["unhealthy_count"] == 0, health
         r = httpx.post(base + "/v1/embeddings", headers={"Authorization": "Bearer sk-other"}, json=body, timeout=30)
         assert r.status_code == 400 and "No connected db" in r.text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --------------------------------------------------------------------------- LangChain

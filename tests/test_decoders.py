@@ -11,6 +11,7 @@ from ember import Embedder
 from ember.config import ModelConfig
 from ember.engine.build import plan
 from ember.errors import UnsupportedModelError
+from reference import cos, st_reference
 
 TEXTS = [*SENTENCES[:10], SENTENCES[50]]  # short and long, mixed
 
@@ -26,16 +27,6 @@ FAMILIES = {
     "llama": {"rope_scaling": LLAMA3_SCALING, "rope_theta": 5e5},
     "mistral": {"sliding_window": 2048},
 }
-
-
-def cos(a, b):
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
-def st_reference(path, texts):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True, batch_size=4)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -184,39 +184,14 @@ def reranker(tmp_path_factory):
 def proxy(server, reranker, tmp_path_factory):
     """The LiteLLM proxy (litellm[proxy]; .ci/run installs it in a virtualenv of its own) started on the shipped deploy/compose/config.yaml, in
     front of a running ember for embeddings and one for rerank."""
-    import os
-    import time
+    from server import litellm_proxy
 
-    import httpx
-
-    from server import free_port, litellm_proxy_command
-
-    command = litellm_proxy_command()
-    port, master = free_port(), "sk-proxy"
-    env = {**os.environ, "EMBER_API_BASE": server.url + "/v1", "EMBER_RERANK_API_BASE": reranker.url,
-           "EMBER_API_KEY": "k", "LITELLM_MASTER_KEY": master, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # fmt: skip
+    master = "sk-proxy"
+    env = {"EMBER_API_BASE": server.url + "/v1", "EMBER_RERANK_API_BASE": reranker.url, "EMBER_API_KEY": "k",
+           "LITELLM_MASTER_KEY": master}  # fmt: skip
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    cmd = [*command, "--config", str(DEPLOY / "compose" / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(base + "/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with litellm_proxy(DEPLOY / "compose" / "config.yaml", env, log) as base:
         yield base, master
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_the_litellm_proxy_on_the_shipped_config_answers_as_ember_does(proxy, server, reranker):

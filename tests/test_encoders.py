@@ -7,21 +7,12 @@ import pytest
 from checkpoints.families import build_gemma3, build_modernbert
 from corpus import SENTENCES
 from ember import Embedder
+from reference import cos, st_reference
 
 # short inputs (inside every window) and long ones (many windows), mixed in one batch
 TEXTS = [*SENTENCES[:6], " ".join(SENTENCES[6:12]), SENTENCES[50], " ".join(SENTENCES[20:40])]
 
 BUILDERS = {"gemma3": build_gemma3, "modernbert": build_modernbert}
-
-
-def cos(a, b):
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
-def st_reference(path, texts):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True, batch_size=4)
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))

@@ -7,19 +7,9 @@ import torch
 from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
+from reference import cos, st_reference
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]  # short and long, mixed
-
-
-def cos(a, b):
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
-def st_reference(path, texts, **kw):
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(path), device="cpu")
-    return model.encode(texts, convert_to_numpy=True, batch_size=4, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
+from ember.models.bert import LayerNorm
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
-from ember.ops.norms import layer_norm
 from ember.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import by_token_slices
 
@@ -77,17 +77,6 @@ class NomicBertArgs:
             fc2_bias=bool(cfg.get("mlp_fc2_bias", True)),
             inv_freq=tuple(rope_inv_freq(hidden // heads, {"rope_theta": cfg.get("rotary_emb_base", 1e4)}).tolist()),
         )
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class Embeddings(nn.Module):
