@@ -216,3 +216,20 @@ def test_the_litellm_proxy_on_the_shipped_config_answers_as_ember_does(proxy, se
     ember = httpx.post(reranker.url + "/rerank", json=body, headers={"Authorization": "Bearer k"}, timeout=60).json()
     scores = {r["index"]: r["relevance_score"] for r in via.json()["results"]}
     assert scores == pytest.approx({r["index"]: r["relevance_score"] for r in ember["results"]}, abs=1e-6)
+
+
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    """systemd's own check of the unit (where systemd-analyze is installed), with ExecStart pointed at this
+    environment's ember, since the unit's /opt/ember venv does not exist here."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    ember = shutil.which("ember")
+    assert ember is not None
+    unit = (DEPLOY / "systemd" / "ember.service").read_text().replace("/opt/ember/bin/ember", ember)
+    (tmp_path / "ember.service").write_text(unit)
+    out = subprocess.run([analyze, "verify", str(tmp_path / "ember.service")], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    service = configparser.ConfigParser(interpolation=None, strict=False)
+    service.read_string(unit)
+    assert service["Service"]["CPUQuota"] == "400%" and service["Service"]["MemoryMax"] == "4G"
