@@ -122,3 +122,16 @@ def test_a_dense_model_refuses_embed_sparse(tmp_path):
     with TestClient(create_app(build_engine(loaded, EngineConfig()), ServerConfig(("m",)))) as c:
         r = c.post("/embed_sparse", json={"inputs": "hello"})
     assert r.status_code == 400 and "/embed_sparse needs a sparse model" in r.json()["error"]["message"]
+
+
+def test_vllms_architecture_override_makes_a_plain_mlm_checkpoint_splade(tmp_path):
+    """Without sentence-transformers files, vLLM's `--hf-overrides '{"architectures":
+    ["BertSpladeSparseEmbeddingModel"]}'` selects the same model (max pooling)."""
+    path = build_splade(tmp_path)
+    ref = Embedder(str(path), dtype="float32", enforce_eager=True).embed(TEXTS[:3]).vectors
+    for name in ("modules.json", "config_sentence_transformers.json"):
+        (path / name).unlink()
+    override = {"architectures": ["BertSpladeSparseEmbeddingModel"]}
+    embedder = Embedder(str(path), dtype="float32", enforce_eager=True, hf_overrides=override)
+    assert embedder.info.pooling.method == "SPLADE" and embedder.info.splade_strategy == "max"
+    np.testing.assert_allclose(embedder.embed(TEXTS[:3]).vectors, ref, atol=1e-6)
