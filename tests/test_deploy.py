@@ -89,11 +89,13 @@ def test_the_autoscaler_scales_the_deployment_on_a_metric_ember_exports():
     deployment = _rendered("embedding")
     scaled = m["ScaledObject"]["spec"]
     assert scaled["scaleTargetRef"]["name"] == deployment["Deployment"]["metadata"]["name"]
-    [trigger] = scaled["triggers"]
+    busy, queue = scaled["triggers"]
     exported = {metric.name for metric in Metrics().registry.collect()}
-    used = set(re.findall(r"(ember_\w+?)(?:_sum|_count|_bucket)?\b", trigger["metadata"]["query"]))
-    assert used and used <= exported, (used, exported)
-    assert 0 < float(trigger["metadata"]["threshold"]) < 1  # a busy fraction per replica
+    for trigger in (busy, queue):
+        used = set(re.findall(r"(ember_\w+?)(?:_sum|_count|_bucket)?\b", trigger["metadata"]["query"]))
+        assert used and used <= exported, (used, exported)
+    assert 0 < float(busy["metadata"]["threshold"]) < 1  # a busy fraction per replica (AverageValue)
+    assert queue["metricType"] == "Value" and "ember_queue_duration_seconds_bucket" in queue["metadata"]["query"]
     monitor = m["ServiceMonitor"]["spec"]
     assert monitor["selector"]["matchLabels"] == deployment["Service"]["metadata"]["labels"]
     assert {e["port"] for e in monitor["endpoints"]} <= {p["name"] for p in deployment["Service"]["spec"]["ports"]}
