@@ -11,7 +11,7 @@ from ember import Embedder
 from ember.config import ModelConfig
 from ember.engine.build import plan
 from ember.errors import UnsupportedModelError
-from reference import cos, st_reference
+from parity import cos, st_reference
 
 TEXTS = [*SENTENCES[:10], SENTENCES[50]]  # short and long, mixed
 

@@ -7,7 +7,7 @@ import pytest
 from checkpoints.families import build_gemma3, build_modernbert
 from corpus import SENTENCES
 from ember import Embedder
-from reference import cos, st_reference
+from parity import cos, st_reference
 
 # short inputs (inside every window) and long ones (many windows), mixed in one batch
 TEXTS = [*SENTENCES[:6], " ".join(SENTENCES[6:12]), SENTENCES[50], " ".join(SENTENCES[20:40])]

@@ -7,7 +7,7 @@ import torch
 from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
-from reference import cos, st_reference
+from parity import cos, st_reference
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]  # short and long, mixed
 
