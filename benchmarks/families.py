@@ -90,43 +90,25 @@ def _modernbert(out: Path) -> None:
     write_st_pooling(out, "mean", normalize=True, hidden=768, max_seq_length=8192)
 
 
-def _splade(out: Path) -> None:
+def _from_test_builder(build, out: Path, **shape: int) -> None:
+    """A test builder's checkpoint at a real model's shape, written beside `out` and moved into it."""
     import shutil
 
-    from checkpoints.families import build_splade
-
-    tmp = build_splade(out.with_name(out.name + "-tmp"), layers=12, hidden=768, heads=12)
+    tmp = build(out.with_name(out.name + "-tmp"), **shape)
     shutil.rmtree(out)
     shutil.move(str(tmp), str(out))
 
 
+def _splade(out: Path) -> None:
+    from checkpoints.families import build_splade
+
+    _from_test_builder(build_splade, out, layers=12, hidden=768, heads=12)
+
+
 def _nomic(out: Path) -> None:
-    """nomic-embed-text-v1.5's exact shape (n_inner 3,072), from the test builder's layout."""
-    import torch
-    from safetensors.torch import save_file
+    from checkpoints.families import build_nomic_bert
 
-    from checkpoints.builders import _write_bert_tokenizer, write_st_pooling
-    from checkpoints.families import NOMIC_BERT_CONFIG
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = _write_bert_tokenizer(out, 2048)
-    (out / "config.json").write_text(json.dumps({**NOMIC_BERT_CONFIG, "vocab_size": vocab}, indent=2))
-    g = torch.Generator().manual_seed(0)
-    h, i = 768, 3072
-    w = {"embeddings.word_embeddings.weight": torch.randn(vocab, h, generator=g) * 0.02,
-         "embeddings.token_type_embeddings.weight": torch.randn(2, h, generator=g) * 0.02,
-         "emb_ln.weight": torch.ones(h), "emb_ln.bias": torch.zeros(h)}  # fmt: skip
-    for n in range(12):
-        p = f"encoder.layers.{n}."
-        w |= {p + "attn.Wqkv.weight": torch.randn(3 * h, h, generator=g) * 0.02,
-              p + "attn.out_proj.weight": torch.randn(h, h, generator=g) * 0.02,
-              p + "mlp.fc11.weight": torch.randn(i, h, generator=g) * 0.02,
-              p + "mlp.fc12.weight": torch.randn(i, h, generator=g) * 0.02,
-              p + "mlp.fc2.weight": torch.randn(h, i, generator=g) * 0.02,
-              p + "norm1.weight": torch.ones(h), p + "norm1.bias": torch.zeros(h),
-              p + "norm2.weight": torch.ones(h), p + "norm2.bias": torch.zeros(h)}  # fmt: skip
-    save_file(w, str(out / "model.safetensors"))
-    write_st_pooling(out, "mean", normalize=True, hidden=h, max_seq_length=2048)
+    _from_test_builder(build_nomic_bert, out, layers=12, hidden=768, heads=12, inner=3072)
 
 
 BUILDERS = {"embeddinggemma": _gemma, "modernbert": _modernbert, "splade": _splade, "nomic": _nomic}

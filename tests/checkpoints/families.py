@@ -150,10 +150,12 @@ def build_modernbert(out_dir: Path, *, layers: int = 4, local_attention: int = 1
     return out
 
 
-def build_nomic_bert(out_dir: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0) -> Path:
+def build_nomic_bert(
+    out_dir: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, inner: int | None = None, seed: int = 0
+) -> Path:
     """A small nomic-embed-text-v1.5: its config.json layout (remote code, which nothing here runs), its parameter
     names, random weights; the MiniLM WordPiece tokenizer, mean pooling and Normalize, and nomic's task prefixes
-    as prompts. Returns the directory; `nomic_bert_weights` reads the tensors back for a reference."""
+    as prompts. `inner`: the MLP width (default 3 x hidden; v1.5's is 4 x)."""
     import json
 
     import torch
@@ -162,7 +164,8 @@ def build_nomic_bert(out_dir: Path, *, layers: int = 2, hidden: int = 64, heads:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _write_bert_tokenizer(out, 2048)
-    config = {**NOMIC_BERT_CONFIG, "n_embd": hidden, "n_head": heads, "n_inner": 3 * hidden, "n_layer": layers,
+    inner = inner or 3 * hidden
+    config = {**NOMIC_BERT_CONFIG, "n_embd": hidden, "n_head": heads, "n_inner": inner, "n_layer": layers,
               "vocab_size": vocab}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
     g = torch.Generator().manual_seed(seed)
@@ -182,9 +185,9 @@ def build_nomic_bert(out_dir: Path, *, layers: int = 2, hidden: int = 64, heads:
             # gate, a wrong rotary or norm order shows in the output
             p + "attn.Wqkv.weight": rand(3 * hidden, hidden, scale=0.2),
             p + "attn.out_proj.weight": rand(hidden, hidden, scale=0.2),
-            p + "mlp.fc11.weight": rand(3 * hidden, hidden, scale=0.3),
-            p + "mlp.fc12.weight": rand(3 * hidden, hidden, scale=0.3),
-            p + "mlp.fc2.weight": rand(hidden, 3 * hidden, scale=0.2),
+            p + "mlp.fc11.weight": rand(inner, hidden, scale=0.3),
+            p + "mlp.fc12.weight": rand(inner, hidden, scale=0.3),
+            p + "mlp.fc2.weight": rand(hidden, inner, scale=0.2),
             p + "norm1.weight": rand(hidden, scale=0.1, mean=1.0), p + "norm1.bias": rand(hidden),
             p + "norm2.weight": rand(hidden, scale=0.1, mean=1.0), p + "norm2.bias": rand(hidden),
         }  # fmt: skip
@@ -198,6 +201,7 @@ def write_shape_only_checkpoint(out_dir: Path, config: dict[str, Any]) -> Path:
     """config.json and a model.safetensors whose header lists a Llama-family model's tensors in bfloat16 and whose
     data is a hole (a sparse file: no disk used), for planning a 7B model's memory without its 14 GB."""
     import json
+    import math
     import struct
 
     out = Path(out_dir)
@@ -217,7 +221,7 @@ def write_shape_only_checkpoint(out_dir: Path, config: dict[str, Any]) -> Path:
     header: dict[str, Any] = {}
     offset = 0
     for name, shape in shapes.items():
-        size = 2 * int(__import__("math").prod(shape))
+        size = 2 * math.prod(shape)
         header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()

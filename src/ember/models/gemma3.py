@@ -19,7 +19,6 @@ from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
-from ember.ops.attention import varlen_attention
 from ember.ops.fused import rms_norm
 from ember.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import by_token_slices
@@ -119,11 +118,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.q_factor != 1.0:
             q = q * self.q_factor
-        if self.window is None:
-            y = varlen_attention(q, k, v, seqlens, causal=False)
-        else:
-            y = local_attention(q, k, v, seqlens, self.window)
-        return self.o_proj(y.reshape(T, -1))
+        return self.o_proj(local_attention(q, k, v, seqlens, self.window).reshape(T, -1))
 
 
 class MLP(nn.Module):

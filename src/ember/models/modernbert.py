@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
-from ember.ops.attention import varlen_attention
+from ember.models.bert import LayerNorm
 from ember.ops.linear import ACTIVATIONS
 from ember.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import by_token_slices
@@ -78,17 +77,6 @@ class ModernBertArgs:
         )
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
 class Embeddings(nn.Module):
     def __init__(self, a: ModernBertArgs) -> None:
         super().__init__()
@@ -108,11 +96,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.Wqkv(x).view(T, 3 * self.n_heads, self.head_dim).split(self.n_heads, dim=1)  # (T, H, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.window is None:
-            y = varlen_attention(q, k, v, seqlens, causal=False)
-        else:
-            y = local_attention(q, k, v, seqlens, self.window)
-        return self.Wo(y.reshape(T, -1))
+        return self.Wo(local_attention(q, k, v, seqlens, self.window).reshape(T, -1))
 
 
 class MLP(nn.Module):

@@ -18,9 +18,13 @@ from ember.ops.attention import varlen_attention
 __all__ = ["local_attention"]
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], window: int) -> torch.Tensor:
+def local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], window: int | None
+) -> torch.Tensor:
     """q (T, Hq, D), k and v (T, Hkv, D), sequences laid end to end; token i sees token j of its sequence when
-    |i - j| <= window. Returns (T, Hq, D)."""
+    |i - j| <= window (None: every token of its sequence, a global layer). Returns (T, Hq, D)."""
+    if window is None:
+        return varlen_attention(q, k, v, seqlens, causal=False)
     out = torch.empty_like(q)
     short: list[tuple[int, int]] = []  # (start, length) of the sequences that fit the window whole
     start = 0
