@@ -102,9 +102,12 @@ def reference(kind: str, path: Path):
 
 
 def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str, object]:
+    """ember against the reference, turn about; for a decoder also ember with shared prefixes off ("whole": each
+    pair computes the system prompt, instruction and query itself), to measure what sharing saves."""
     from ember import Reranker
 
     ours = Reranker(str(path), hf_overrides=OVERRIDES if kind == "qwen3" else None)
+    runner = ours._loaded.runner
     theirs = reference(kind, path)
     query = "which of these passages answers the question about retrieval latency?"
     from ember.engine.pairs import ScoreParams
@@ -112,23 +115,31 @@ def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str,
     tokens = sum(p.tokens for p in ours.pairs.fit([(query, d) for d in docs], ScoreParams()))
     ours.score([(query, d) for d in docs[:4]])  # warm both up
     theirs(query, docs[:4])
-    times: dict[str, list[float]] = {"ember": [], "reference": []}
+    legs = ["ember", "ember_whole", "reference"] if runner.share_prefixes else ["ember", "reference"]
+    times: dict[str, list[float]] = {leg: [] for leg in legs}
     for r in range(rounds):
-        for who in ["ember", "reference"] if r % 2 == 0 else ["reference", "ember"]:
+        for who in legs[r % len(legs) :] + legs[: r % len(legs)]:
+            runner.share_prefixes = who == "ember"
             start = time.perf_counter()
-            if who == "ember":
-                ours.rerank(query, docs)
-            else:
+            if who == "reference":
                 theirs(query, docs)
+            else:
+                ours.rerank(query, docs)
             times[who].append(time.perf_counter() - start)
             print(f"in-process round {r + 1} {who}: {times[who][-1]:.2f} s", flush=True)
-    ratios = [b / a for a, b in zip(times["ember"], times["reference"], strict=True)]
-    print(
-        f"pair tokens {tokens}: ember {tokens / statistics.median(times['ember']):.0f} tok/s, reference "
-        f"{tokens / statistics.median(times['reference']):.0f} tok/s, median ratio {statistics.median(ratios):.2f}"
-    )
-    return {"ember_s": times["ember"], "reference_s": times["reference"], "speedup": statistics.median(ratios),
-            "pair_tokens": tokens}  # fmt: skip
+    runner.share_prefixes = "ember_whole" in legs
+
+    def ratio(slow: str, fast: str) -> float:
+        return statistics.median(b / a for a, b in zip(times[fast], times[slow], strict=True))
+
+    rates = ", ".join(f"{leg} {tokens / statistics.median(t):.0f} tok/s" for leg, t in times.items())
+    out: dict[str, object] = {f"{leg}_s": t for leg, t in times.items()}
+    out |= {"speedup": ratio("reference", "ember"), "pair_tokens": tokens}
+    if "ember_whole" in times:
+        out["prefix_sharing_speedup"] = ratio("ember_whole", "ember")
+        out["whole_speedup"] = ratio("reference", "ember_whole")
+    print(f"pair tokens {tokens}: {rates}; " + ", ".join(f"{k} {v:.2f}" for k, v in out.items() if "speedup" in k))
+    return out
 
 
 def over_http(url: str, model: str, docs: list[str], rounds: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
+from ember.ops.prefix import PrefixPlan, prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.types import KernelStatus, ModelInfo
@@ -34,11 +35,19 @@ class TorchRunner:
         self.native = native or NativeConfig()
         self.compiled = False
         """True once compile() has built the fused kernels: embed() then uses them."""
+        self.share_prefixes = model.shares_prefixes and info.pooling.method == "LAST"
+        """Whether sequences of a batch that start alike compute their common prefix once (ember.ops.prefix):
+        causal models pooled on the last token."""
 
     @torch.inference_mode()
     def embed(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
     ) -> np.ndarray | list[np.ndarray]:
+        plan = None
+        if self.share_prefixes and not (per_token and any(per_token)):
+            plan = share_prefixes(batch)
+        if plan is not None:
+            return self._embed_shared(plan)
         seqlens = [len(ids) for ids in batch]
         total = sum(seqlens)
         filler = padded_tokens(total) - total  # one more sequence, of token 0, that nothing reads
@@ -51,6 +60,29 @@ class TorchRunner:
         if self.info.pooling.method == "SPLADE":  # (B, vocabulary) float32 weights
             return self.model.sparse(hidden[:total], seqlens).numpy()
         pooled = pool(hidden[:total], seqlens, self.info.pooling.method)  # (B, H) float32
+        return self._head(pooled, hidden[:total], seqlens, per_token)
+
+    def _embed_shared(self, plan: PrefixPlan) -> np.ndarray:
+        """embed() of a batch whose shared prefixes are held once: the same rows, from less work."""
+        seqlens = [len(ids) for ids in plan.segments]
+        total = sum(seqlens)
+        filler = padded_tokens(total) - total
+        input_ids = torch.from_numpy(_flat(plan.segments, total + filler))  # (T,)
+        lens, starts, parents = seqlens, plan.starts, plan.parents
+        if filler:
+            lens, starts, parents = [*lens, filler], [*starts, 0], [*parents, -1]
+        positions = _positions(lens) + torch.repeat_interleave(torch.tensor(starts), torch.tensor(lens))  # (T,)
+        with compiled(self.compiled):
+            hidden = self.model(input_ids, positions, lens, shared=prefix_layout(lens, parents))  # (T, H)
+        pooled = pool(hidden[:total], seqlens, "LAST")[plan.owners]  # (B, H) float32, in the batch's order
+        out = self._head(pooled, hidden[:total], seqlens, None)
+        assert isinstance(out, np.ndarray)
+        return out
+
+    def _head(
+        self, pooled: torch.Tensor, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool] | None
+    ) -> np.ndarray | list[np.ndarray]:
+        """A score model's logits, or the embeddings (after any Dense layers) of the pooled rows."""
         logits = self.model.classify(pooled.to(hidden.dtype))
         if logits is not None:  # a score model: (B, num_labels)
             return logits.float().numpy()
@@ -58,7 +90,7 @@ class TorchRunner:
             pooled = dense(pooled)
         if per_token is None or not any(per_token):
             return pooled.numpy()
-        return self._token_states(hidden[:total], seqlens, per_token, pooled.numpy())
+        return self._token_states(hidden, seqlens, per_token, pooled.numpy())
 
     def _token_states(
         self, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool], pooled: np.ndarray

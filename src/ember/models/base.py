@@ -62,6 +62,12 @@ class Architecture(nn.Module, ABC):
         """input_ids, positions (from 0 per sequence), token_types (a pair's segments, where the model has them;
         None: all 0): (T,); returns (T, hidden)."""
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether forward() takes `shared=` (ember.ops.prefix.PrefixLayout): sequences of a batch continuing a
+        prefix held once in it. Only causal models can: their prefix tokens' states do not depend on what follows."""
+        return False
+
     def classify(self, pooled: torch.Tensor) -> torch.Tensor | None:
         """A score model's head on its pooled hidden states (B, hidden) -> (B, num_labels) logits; None for an
         embedding model (its pooled states are the output)."""

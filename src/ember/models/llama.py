@@ -20,6 +20,7 @@ from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import packed_attention, seq_offsets, varlen_attention
 from ember.ops.fused import Fused, qk_norm_rope, qk_rope, rms_norm, swiglu
+from ember.ops.prefix import PrefixLayout
 from ember.ops.quant import Int8Linear
 from ember.ops.rope import rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import TOKEN_SLICE, by_token_slices
@@ -163,14 +164,23 @@ class Block(nn.Module):
         self.mlp = MLP(a)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int], cu: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seqlens: list[int],
+        cu: torch.Tensor,
+        shared: PrefixLayout | None = None,
     ) -> torch.Tensor:
-        if x.shape[0] <= TOKEN_SLICE and _holds_int8(self):  # one region (bf16 has none: see below)
+        if x.shape[0] <= TOKEN_SLICE and _holds_int8(self) and shared is None:  # one region (bf16: see below)
             return self._layer(x, cos, sin, cu)
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
         qkv = by_token_slices(self._project, x, cos, sin)  # (T, Hq + 2 Hkv, D)
-        y = self.self_attn.attend(qkv, seqlens)  # (T, Hq * D)
+        if shared is None:
+            y = self.self_attn.attend(qkv, seqlens)  # (T, Hq * D)
+        else:  # each continuation attends with its prefix's rows ahead of its own
+            y = self.self_attn.attend(qkv.index_select(0, shared.gather), shared.seqlens).index_select(0, shared.keep)
         del qkv
         return by_token_slices(self._out_mlp, x, y)
 
@@ -220,6 +230,10 @@ class LlamaModel(Architecture):
         return self.args.hidden_size
 
     @property
+    def shares_prefixes(self) -> bool:
+        return self.args.causal
+
+    @property
     def max_positions(self) -> int:
         return self.args.max_position_embeddings
 
@@ -236,11 +250,13 @@ class LlamaModel(Architecture):
         positions: torch.Tensor,
         seqlens: list[int],
         token_types: torch.Tensor | None = None,
+        shared: PrefixLayout | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in these decoders.)"""
+        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in these decoders.)
+        With `shared`, sequences continue shared prefixes held once in the batch (ember.ops.prefix)."""
         x = self.embed_tokens(input_ids)  # (T, H)
         cos, sin = rope_cos_sin(positions, torch.tensor(self.args.inv_freq), x.dtype)
         cu = seq_offsets(seqlens)
         for layer in self.layers:
-            x = layer(x, cos, sin, seqlens, cu)
+            x = layer(x, cos, sin, seqlens, cu, shared)
         return self.norm(x)
