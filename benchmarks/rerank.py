@@ -8,7 +8,8 @@ In-process: ember's Reranker against the reference, alternating, median of the p
 serve` (and a peer such as vLLM's CPU build, --peer-url) on POST /rerank with N documents, and the p50 latency of a
 20-document rerank.
 
-    python benchmarks/rerank.py --model qwen3 [--docs 100] [--rounds 3] [--peer-url URL --peer-model NAME]
+    python benchmarks/rerank.py --model qwen3 [--docs 100] [--rounds 3] \
+        [--peer-url URL --peer-model NAME --peer-cmd "CMD" --peer-label "vLLM 0.32 CPU, bf16"]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ OVERRIDES = {
     "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": True,
 }
+QUERY = "which of these passages answers the question about retrieval latency?"
 QWEN_EMBEDDING = ROOT / "models" / "qwen3-emb-0.6b-random"
 MODELS = {"qwen3": ROOT / "models" / "qwen3-reranker-0.6b-random", "bge": ROOT / "models" / "bge-reranker-base-random"}
 
@@ -109,7 +111,7 @@ def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str,
     ours = Reranker(str(path), hf_overrides=OVERRIDES if kind == "qwen3" else None)
     runner = ours._loaded.runner
     theirs = reference(kind, path)
-    query = "which of these passages answers the question about retrieval latency?"
+    query = QUERY
     from ember.engine.pairs import ScoreParams
 
     tokens = sum(p.tokens for p in ours.pairs.fit([(query, d) for d in docs], ScoreParams()))
@@ -142,21 +144,87 @@ def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str,
     return out
 
 
-def over_http(url: str, model: str, docs: list[str], rounds: int) -> dict[str, float]:
-    query = "which of these passages answers the question about retrieval latency?"
-    big, small = [], []
-    with httpx.Client(timeout=900) as http:
-        http.post(f"{url}/rerank", json={"model": model, "query": query, "documents": docs[:4]}).raise_for_status()
-        for _ in range(rounds):
+def http_round(url: str, model: str, docs: list[str], r: int, kind: str) -> tuple[float, list[float]]:
+    """One round against one server: a rerank of every document (tokens/s by its usage) and three 20-document
+    reranks (seconds each). Queries differ per round, so no server answers from a cache of an earlier one.
+    Qwen3-Reranker requests carry the official prompt already formatted, as vLLM's example sends them (vLLM does
+    not add it; ember takes a query so formatted as it is), so both servers read the same tokens."""
+
+    def body(query: str, documents: list[str]) -> dict[str, object]:
+        if kind == "qwen3":
+            from ember.engine.pairs import QWEN3_RERANKER_SUFFIX, qwen3_reranker_prompt
+
+            query, documents = (
+                qwen3_reranker_prompt(query),
+                [f"<Document>: {d}{QWEN3_RERANKER_SUFFIX}" for d in documents],
+            )
+        return {"model": model, "query": query, "documents": documents}
+
+    with httpx.Client(timeout=1800) as http:
+        start = time.perf_counter()
+        res = http.post(f"{url}/rerank", json=body(f"{QUERY} ({r})", docs))
+        res.raise_for_status()
+        rate = res.json()["usage"]["total_tokens"] / (time.perf_counter() - start)
+        small = []
+        for i in range(3):
             start = time.perf_counter()
-            r = http.post(f"{url}/rerank", json={"model": model, "query": query, "documents": docs})
-            r.raise_for_status()
-            big.append(r.json()["usage"]["total_tokens"] / (time.perf_counter() - start))
-        for i in range(10):
-            start = time.perf_counter()
-            http.post(f"{url}/rerank", json={"model": model, "query": f"{query} {i}", "documents": docs[:20]})
+            http.post(f"{url}/rerank", json=body(f"{QUERY} ({r}.{i})", docs[:20])).raise_for_status()
             small.append(time.perf_counter() - start)
-    return {"tokens_per_s": statistics.median(big), "p50_20_docs_s": statistics.median(small)}
+    return rate, small
+
+
+def over_http(path: Path, kind: str, docs: list[str], rounds: int, peer: argparse.Namespace) -> dict[str, object]:
+    """`ember serve` (and the peer, when given), turn about; the idle server SIGSTOPped while the other works."""
+    from interleaved import frozen
+    from proctree import PeakRss
+
+    cmd = [sys.executable, "-m", "ember.cli.main", "serve", str(path), "--port", "18124", "--host", "127.0.0.1"]
+    if kind == "qwen3":
+        cmd += ["--hf-overrides", json.dumps(OVERRIDES)]
+    log = ROOT / "benchmarks/results/server.log"
+    servers: dict[str, tuple[str, str]] = {"ember": ("http://127.0.0.1:18124", str(path))}
+    procs, ready = {}, {}
+    try:
+        procs["ember"], ready["ember"] = launch(cmd, servers["ember"][0], log)
+        while "fused kernels" not in log.read_text():
+            time.sleep(0.5)
+        if peer.peer_url:
+            servers["peer"] = (peer.peer_url, peer.peer_model or str(path))
+            if peer.peer_cmd:
+                procs["peer"], ready["peer"] = launch(
+                    peer.peer_cmd, peer.peer_url, ROOT / "benchmarks/results/peer.log"
+                )
+        for url, model in servers.values():  # warm-up
+            httpx.post(f"{url}/rerank", json={"model": model, "query": QUERY, "documents": docs[:4]},
+                       timeout=600).raise_for_status()  # fmt: skip
+        rates: dict[str, list[float]] = {who: [] for who in servers}
+        small: dict[str, list[float]] = {who: [] for who in servers}
+        with PeakRss(procs["ember"].pid) as ours_rss, PeakRss(procs.get("peer", procs["ember"]).pid) as peer_rss:
+            for r in range(rounds):
+                for who in list(servers) if r % 2 == 0 else list(servers)[::-1]:
+                    idle = next((p.pid for w, p in procs.items() if w != who), None)
+                    with frozen(idle):
+                        rate, latencies = http_round(*servers[who], docs, r, kind)
+                    rates[who].append(rate)
+                    small[who] += latencies
+                    p50 = statistics.median(latencies)
+                    print(f"http round {r + 1} {who}: {rate:.0f} tok/s, 20 documents {p50:.2f} s", flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    out: dict[str, object] = {}
+    for who in servers:
+        row = {"tokens_per_s": statistics.median(rates[who]), "p50_20_docs_s": statistics.median(small[who]),
+               "rounds_tokens_per_s": rates[who]}  # fmt: skip
+        out[f"{who}_http"] = row | ({"ready_s": ready[who]} if who in ready else {})
+    out["ember_http"]["peak_rss_gib"] = ours_rss.bytes / 2**30  # type: ignore[index]
+    if "peer" in servers:
+        out["peer_http"]["server"] = peer.peer_label  # type: ignore[index]
+        if "peer" in procs:
+            out["peer_http"]["peak_rss_gib"] = peer_rss.bytes / 2**30  # type: ignore[index]
+        out["vs_peer"] = statistics.median(a / b for a, b in zip(rates["ember"], rates["peer"], strict=True))
+        print(f"ember / peer over HTTP: {out['vs_peer']:.2f} (median of paired rounds)")
+    return out
 
 
 def main() -> None:
@@ -167,28 +235,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--peer-url", default=None, help="another server answering /rerank for the same checkpoint")
     ap.add_argument("--peer-model", default=None)
+    ap.add_argument("--peer-cmd", default=None, help="starts the peer (then it is frozen while ember works)")
+    ap.add_argument("--peer-label", default="peer", help="what the peer is, for the results file")
     ap.add_argument("--skip-in-process", action="store_true")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     maybe_reexec_with_allocator(sys.argv[1:], [sys.executable, __file__])  # the allocator `ember serve` uses
     path = build(args.model)
     docs = documents(args.docs, args.doc_tokens)
-    results: dict[str, object] = {"model": args.model, "docs": args.docs, "doc_tokens": args.doc_tokens}
+    from indexing import cpu_name
+
+    results: dict[str, object] = {"model": args.model, "docs": args.docs, "doc_tokens": args.doc_tokens,
+                                  "cpu": cpu_name()}  # fmt: skip
     if not args.skip_in_process:
         results["in_process"] = in_process(args.model, path, docs, args.rounds)
-    cmd = [sys.executable, "-m", "ember.cli.main", "serve", str(path), "--port", "18124", "--host", "127.0.0.1"]
-    if args.model == "qwen3":
-        cmd += ["--hf-overrides", json.dumps(OVERRIDES)]
-    proc, ready = launch(cmd, "http://127.0.0.1:18124", ROOT / "benchmarks/results/server.log")
-    try:
-        while "fused kernels" not in (ROOT / "benchmarks/results/server.log").read_text():
-            time.sleep(0.5)
-        results["ember_http"] = over_http("http://127.0.0.1:18124", str(path), docs, args.rounds) | {"ready_s": ready}
-    finally:
-        stop(proc)
-    if args.peer_url:
-        results["peer_http"] = over_http(args.peer_url, args.peer_model or str(path), docs, args.rounds)
+    if not args.skip_http:
+        results |= over_http(path, args.model, docs, args.rounds, args)
     print(json.dumps(results, indent=2))
-    out = ROOT / f"benchmarks/results/rerank-{args.model}.json"
+    out = Path(args.out) if args.out else ROOT / f"benchmarks/results/rerank-{args.model}.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
 

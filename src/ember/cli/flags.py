@@ -32,7 +32,7 @@ IGNORED_FLAGS: dict[str, str] = {
     "--swap-space": "ember keeps no KV cache",
     "--kv-cache-dtype": "ember keeps no KV cache",
     "--block-size": "ember keeps no KV cache",
-    "--enable-prefix-caching": "ember keeps no KV cache",
+    "--enable-prefix-caching": "ember keeps no KV cache; a prefix shared within a batch is always computed once",
     "--pipeline-parallel-size": "ember runs one process on CPU",
     "--distributed-executor-backend": "ember runs one process on CPU",
     "--device": "ember runs on CPU",
