@@ -18,7 +18,8 @@ import torch
 __all__ = ["MIN_SHARED", "PrefixLayout", "PrefixPlan", "prefix_layout", "share_prefixes"]
 
 MIN_SHARED = 16
-"""The shortest prefix worth sharing: below it the per-layer gathers cost about what the prefix's tokens do."""
+"""The shortest common start that is shared. Shorter ones would save little beside the per-layer gathers a shared
+batch pays; the measured wins are at ~18 tokens (an instruction before queries) and ~70 (Qwen3-Reranker's head)."""
 
 
 @dataclass(frozen=True)
