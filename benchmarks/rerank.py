@@ -117,11 +117,12 @@ def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str,
     tokens = sum(p.tokens for p in ours.pairs.fit([(query, d) for d in docs], ScoreParams()))
     ours.score([(query, d) for d in docs[:4]])  # warm both up
     theirs(query, docs[:4])
-    legs = ["ember", "ember_whole", "reference"] if runner.share_prefixes else ["ember", "reference"]
+    shares = runner.share_prefixes  # only decoders pooled on their last token can
+    legs = ["ember", "ember_whole", "reference"] if shares else ["ember", "reference"]
     times: dict[str, list[float]] = {leg: [] for leg in legs}
     for r in range(rounds):
         for who in legs[r % len(legs) :] + legs[: r % len(legs)]:
-            runner.share_prefixes = who == "ember"
+            runner.share_prefixes = shares and who == "ember"
             start = time.perf_counter()
             if who == "reference":
                 theirs(query, docs)
@@ -129,7 +130,7 @@ def in_process(kind: str, path: Path, docs: list[str], rounds: int) -> dict[str,
                 ours.rerank(query, docs)
             times[who].append(time.perf_counter() - start)
             print(f"in-process round {r + 1} {who}: {times[who][-1]:.2f} s", flush=True)
-    runner.share_prefixes = "ember_whole" in legs
+    runner.share_prefixes = shares
 
     def ratio(slow: str, fast: str) -> float:
         return statistics.median(b / a for a, b in zip(times[fast], times[slow], strict=True))
