@@ -1,6 +1,8 @@
 """Shared prefixes: sequences of a batch that start alike compute their common tokens once, and give the same
 vectors and scores as when each runs whole."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -59,16 +61,25 @@ def test_the_layout_puts_each_continuation_behind_its_prefix():
     assert layout.keep.tolist() == [0, 1, 2, 6, 7, 11, 12, 13, 14, 15]
 
 
-def _tokens_run(runner, batch, share):
-    """The runner's output for `batch` with sharing on or off, and the tokens the model's layers ran."""
+@contextmanager
+def _tokens_seen(runner):
+    """The token counts the model's layers run on, per forward, while the block runs."""
     seen = []
     hook = runner.model.embed_tokens.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def _tokens_run(runner, batch, share):
+    """The runner's output for `batch` with sharing on or off, and the tokens the model's layers ran."""
     runner.share_prefixes = share
     try:
-        return runner.embed(batch), seen[0]
+        with _tokens_seen(runner) as seen:
+            return runner.embed(batch), seen[0]
     finally:
         runner.share_prefixes = True
-        hook.remove()
 
 
 def _batch(tokenizer):
@@ -115,11 +126,10 @@ def test_a_rerank_request_scores_the_same_with_its_head_computed_once(tmp_path):
     ours = Reranker(str(path), dtype="float32", hf_overrides=RERANKER_OVERRIDES, enforce_eager=True)
     documents = [d + f" ({i})" for i, d in enumerate(DOCUMENTS * 3)][:40]
     runner = ours._loaded.runner
-    seen = []
-    runner.model.embed_tokens.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
-    shared = ours.score([(QUERIES[1], d) for d in documents])
-    shared_tokens, seen[:] = sum(seen), []
+    with _tokens_seen(runner) as shared_seen:
+        shared = ours.score([(QUERIES[1], d) for d in documents])
     runner.share_prefixes = False
-    whole = ours.score([(QUERIES[1], d) for d in documents])
+    with _tokens_seen(runner) as whole_seen:
+        whole = ours.score([(QUERIES[1], d) for d in documents])
     np.testing.assert_allclose(shared, whole, atol=1e-5)
-    assert shared_tokens < 0.8 * sum(seen)
+    assert sum(shared_seen) < 0.8 * sum(whole_seen)

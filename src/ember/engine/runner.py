@@ -15,7 +15,7 @@ from ember.models.dense import Dense
 from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
-from ember.ops.prefix import PrefixPlan, prefix_layout, share_prefixes
+from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.types import KernelStatus, ModelInfo
@@ -45,44 +45,27 @@ class TorchRunner:
     ) -> np.ndarray | list[np.ndarray]:
         plan = None
         if self.share_prefixes and not (per_token and any(per_token)):
-            plan = share_prefixes(batch)
-        if plan is not None:
-            return self._embed_shared(plan)
-        seqlens = [len(ids) for ids in batch]
+            plan = share_prefixes(batch)  # sequences continuing a prefix held once in the batch, or None
+        seqs = batch if plan is None else plan.segments
+        seqlens = [len(ids) for ids in seqs]
         total = sum(seqlens)
         filler = padded_tokens(total) - total  # one more sequence, of token 0, that nothing reads
-        input_ids = torch.from_numpy(_flat(batch, total + filler))  # (T,)
-        types = torch.from_numpy(_flat(token_types, total + filler)) if token_types else None  # (T,)
+        input_ids = torch.from_numpy(_flat(seqs, total + filler))  # (T,)
+        types = torch.from_numpy(_flat(token_types, total + filler)) if token_types and plan is None else None
         lens = [*seqlens, filler] if filler else seqlens
         positions = _positions(lens)  # (T,)
+        shared = {}
+        if plan is not None:  # a continuation's positions start after its prefix
+            starts = torch.tensor([*plan.starts, 0][: len(lens)])
+            positions += torch.repeat_interleave(starts, torch.tensor(lens))
+            shared["shared"] = prefix_layout(lens, [*plan.parents, -1][: len(lens)])
         with compiled(self.compiled):
-            hidden = self.model(input_ids, positions, lens, types)  # (T, H)
+            hidden = self.model(input_ids, positions, lens, types, **shared)  # (T, H)
         if self.info.pooling.method == "SPLADE":  # (B, vocabulary) float32 weights
             return self.model.sparse(hidden[:total], seqlens).numpy()
         pooled = pool(hidden[:total], seqlens, self.info.pooling.method)  # (B, H) float32
-        return self._head(pooled, hidden[:total], seqlens, per_token)
-
-    def _embed_shared(self, plan: PrefixPlan) -> np.ndarray:
-        """embed() of a batch whose shared prefixes are held once: the same rows, from less work."""
-        seqlens = [len(ids) for ids in plan.segments]
-        total = sum(seqlens)
-        filler = padded_tokens(total) - total
-        input_ids = torch.from_numpy(_flat(plan.segments, total + filler))  # (T,)
-        lens, starts, parents = seqlens, plan.starts, plan.parents
-        if filler:
-            lens, starts, parents = [*lens, filler], [*starts, 0], [*parents, -1]
-        positions = _positions(lens) + torch.repeat_interleave(torch.tensor(starts), torch.tensor(lens))  # (T,)
-        with compiled(self.compiled):
-            hidden = self.model(input_ids, positions, lens, shared=prefix_layout(lens, parents))  # (T, H)
-        pooled = pool(hidden[:total], seqlens, "LAST")[plan.owners]  # (B, H) float32, in the batch's order
-        out = self._head(pooled, hidden[:total], seqlens, None)
-        assert isinstance(out, np.ndarray)
-        return out
-
-    def _head(
-        self, pooled: torch.Tensor, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool] | None
-    ) -> np.ndarray | list[np.ndarray]:
-        """A score model's logits, or the embeddings (after any Dense layers) of the pooled rows."""
+        if plan is not None:
+            pooled = pooled[plan.owners]  # a row per sequence of the batch, in its order
         logits = self.model.classify(pooled.to(hidden.dtype))
         if logits is not None:  # a score model: (B, num_labels)
             return logits.float().numpy()
@@ -90,7 +73,7 @@ class TorchRunner:
             pooled = dense(pooled)
         if per_token is None or not any(per_token):
             return pooled.numpy()
-        return self._token_states(hidden, seqlens, per_token, pooled.numpy())
+        return self._token_states(hidden[:total], seqlens, per_token, pooled.numpy())
 
     def _token_states(
         self, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool], pooled: np.ndarray
