@@ -44,7 +44,7 @@ class FakeRunner:
         self.compiled = threading.Event()
 
     def embed(
-        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[str] | None = None
     ) -> Any:
         self.gate.wait(10)
         self.batches.append([list(ids) for ids in batch])
@@ -52,9 +52,9 @@ class FakeRunner:
             raise RuntimeError("simulated model failure")
         if self.delay:
             time.sleep(self.delay * sum(len(s) for s in batch))
-        if per_token is not None:
-            rows = zip(batch, per_token, strict=True)
-            return [self.table[ids] if want else self.table[ids].mean(0) for ids, want in rows]
+        if outputs is not None:
+            rows = zip(batch, outputs, strict=True)
+            return [self.table[ids] if out == "token_embed" else self.table[ids].mean(0) for ids, out in rows]
         return np.stack([self.table[ids].mean(0) for ids in batch])
 
     def load_kernels(self) -> list[KernelStatus]:

@@ -61,7 +61,7 @@ def test_token_states_and_pooled_vectors_share_a_batch_and_each_gets_its_own(run
         runner.gate.clear()
         texts = ["first text here", "second", "and a third one"]
         pooled = asyncio.create_task(engine.embed(texts[:2]))
-        tokens = asyncio.create_task(engine.embed(texts[2:], EmbedParams(per_token=True, normalize=False)))
+        tokens = asyncio.create_task(engine.embed(texts[2:], EmbedParams(output="token_embed", normalize=False)))
         await until(lambda: engine.queued_requests == 2)
         runner.gate.set()
         results = await asyncio.gather(pooled, tokens)

@@ -26,9 +26,9 @@ def _recording(embedder):
     seen = []
     embed = embedder._loaded.runner.embed
 
-    def record(batch, token_types=None, per_token=None):
+    def record(batch, token_types=None, outputs=None):
         seen.append([len(ids) for ids in batch])
-        return embed(batch, token_types, per_token)
+        return embed(batch, token_types, outputs)
 
     embedder._loaded.runner.embed = record
     return seen

@@ -222,7 +222,7 @@ def test_the_answer_budget_refuses_a_request_whose_vectors_would_not_fit():
     with pytest.raises(OverloadedError):
         admit(s, 3, 3, 3)  # 11 > 10
     admit(s, 3, 3)  # 10: fits
-    r = scheduler().admit([[[7] * 5]], [5], 0.0, per_token=True)  # token_embed: a vector per token
+    r = scheduler().admit([[[7] * 5]], [5], 0.0, output="token_embed")  # token_embed: a vector per token
     assert r.vectors == 5
 
 

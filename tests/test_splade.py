@@ -99,6 +99,23 @@ def test_top_k_keeps_the_largest_weights_in_index_order(client):
     assert top == want
 
 
+def test_pooling_token_classify_gives_the_weights_as_vllms_sparse_entries(client):
+    r = client.post("/pooling", json={"input": TEXTS[:2], "task": "token_classify", "truncate_prompt_tokens": -1,
+                                      "return_tokens": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    for item, ref in zip(r.json()["data"], client.ref[:2], strict=True):
+        entries = item["sparse_embedding"]
+        index = [e["token_id"] for e in entries]
+        assert index == list(np.flatnonzero(ref)) and "data" not in item  # no weight per token in SPLADE
+        np.testing.assert_allclose([e["weight"] for e in entries], ref[index], rtol=1e-4, atol=1e-5)
+        assert all(isinstance(e["token"], str) for e in entries)
+    r = client.post("/pooling", json={"input": "a", "task": "token_embed"})
+    assert r.status_code == 400
+    assert (
+        r.json()["error"]["message"] == "Unsupported task: 'token_embed' Supported tasks: ('embed', 'token_classify')"
+    )
+
+
 def test_the_dense_vector_on_v1_embeddings_and_clear_errors(client):
     dense = client.post("/v1/embeddings", json={"input": TEXTS[:1], "truncate_prompt_tokens": -1}).json()
     vector = np.array(dense["data"][0]["embedding"])

@@ -32,7 +32,7 @@ from ember.errors import InputError
 from ember.ops.fused import can_compile
 from ember.resources import cpu_budget
 from ember.tokenizer import Tokenizer
-from ember.types import KernelStatus, ModelInfo
+from ember.types import KernelStatus, ModelInfo, Output
 
 __all__ = ["Embedder", "Embeddings", "Reranker", "TokenEmbeddings"]
 
@@ -114,10 +114,10 @@ class _Offline:
         vectors, counts = self._vectors(inputs, params)
         return Embeddings(np.stack(vectors), counts)
 
-    def _vectors(self, inputs: Any, params: EmbedParams) -> tuple[list[np.ndarray], list[int]]:
+    def _vectors(self, inputs: Any, params: EmbedParams) -> tuple[list[Any], list[int]]:
         prepared = self.preprocessor.check(inputs, params)
         fitted = self.preprocessor.fit(prepared, params)
-        request = self._run([f.windows for f in fitted], [f.tokens for f in fitted], per_token=params.per_token)
+        request = self._run([f.windows for f in fitted], [f.tokens for f in fitted], output=params.output)
         return self.preprocessor.vectors(request.windows, request.pooled, prepared), request.token_counts
 
     def _run(
@@ -126,11 +126,11 @@ class _Offline:
         counts: list[int],
         types: list[list[list[int]]] | None = None,
         *,
-        per_token: bool = False,
+        output: Output = "embed",
     ) -> Request:
         """One request on a queue of its own, batched by the budget, until every window is computed."""
         scheduler = Scheduler(self.engine_config)
-        request = scheduler.admit(windows, counts, 0.0, types, per_token)
+        request = scheduler.admit(windows, counts, 0.0, types, output)
         while batch := scheduler.next_batch(0.0):
             scheduler.complete(batch, self._loaded.runner.embed(*batch_inputs(batch)), 0.0, 0.0)
         return request
@@ -173,8 +173,29 @@ class Embedder(_Offline):
         unless truncated."""
         self._check_embeds()
         params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
-                             per_token=True)  # fmt: skip
+                             output="token_embed")  # fmt: skip
         return TokenEmbeddings(*self._vectors(inputs, params))
+
+    def lexical_weights(
+        self,
+        inputs: str | list[str] | list[int] | list[list[int]],
+        *,
+        prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: Literal["left", "right"] | None = None,
+    ) -> list[dict[int, float]]:
+        """Each input's sparse weights, {token id: weight} for the non-zero ones: a SPLADE model's weight per
+        vocabulary entry, or bge-m3's sparse head as FlagEmbedding gives them (each distinct token's largest
+        weight, special tokens left out)."""
+        self._check_embeds()
+        splade = self.info.splade_strategy is not None
+        params = EmbedParams(None, None, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
+                             output="embed" if splade else "token_classify")  # fmt: skip
+        vectors, _ = self._vectors(inputs, params)
+        if splade:
+            return [{int(i): float(v[i]) for i in np.flatnonzero(v)} for v in vectors]
+        pairs = [w.lexical(self.tokenizer.special_ids) for w in vectors]
+        return [dict(zip(ids.tolist(), weights.tolist(), strict=True)) for ids, weights in pairs]
 
 
 class Reranker(_Offline):

@@ -34,6 +34,8 @@ class Tokenizer:
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.special_tokens = self._specials()
         """The special tokens around a single input ([CLS] ... [SEP], or ... <|endoftext|>)."""
+        self.special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        """Every special token's id ([CLS], [SEP], [PAD], [UNK], [MASK], <s>, </s>, ...)."""
 
     @classmethod
     def from_dir(cls, path: Path, config: dict[str, Any] | None = None, *, ensure_eos: bool = False) -> Tokenizer:
@@ -126,6 +128,15 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The token string of an id (None when unknown)."""
         return self._hf.id_to_token(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token stands for, with the leading space a SentencePiece piece ("▁the") holds but a
+        decoder strips from a lone token (" the"), as vLLM shows tokens."""
+        text = self._hf.decode([token_id], skip_special_tokens=False)
+        raw = self._hf.id_to_token(token_id) or ""
+        marks = len(raw) - len(raw.lstrip("▁"))
+        missing = marks - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def check_ids(self, ids: list[int], param: str = "input") -> None:
         """Raise InputError unless every id is a valid token of this vocabulary."""

@@ -7,7 +7,17 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["Activation", "KernelStatus", "ModelInfo", "PoolingSpec", "PoolingType", "Runner", "Specials", "Task"]
+__all__ = [
+    "Activation",
+    "KernelStatus",
+    "ModelInfo",
+    "Output",
+    "PoolingSpec",
+    "PoolingType",
+    "Runner",
+    "Specials",
+    "Task",
+]
 
 PoolingType = Literal["CLS", "MEAN", "LAST", "SPLADE"]
 """SPLADE: a sparse model's vocabulary weights (max of log(1 + relu(MLM logits)) over the tokens)."""
@@ -15,6 +25,9 @@ Task = Literal["embed", "score"]
 """embed: a vector per input (embedding models); score: a relevance score per (query, document) pair
 (cross-encoders and rerankers)."""
 Activation = Literal["sigmoid", "softmax", "identity"]
+Output = Literal["embed", "token_embed", "token_classify"]
+"""What a request wants of each input (vLLM's pooling task names): embed, its pooled vector; token_embed, a vector
+per token; token_classify, a weight per token (bge-m3's sparse head)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,9 @@ class ModelInfo:
     splade_strategy: Literal["max", "sum"] | None = None
     """A sparse (SPLADE) model's merge over tokens; its vector is then a weight per vocabulary entry
     (`dimension` = vocabulary size), served dense on /v1/embeddings and as {index, value} pairs on /embed_sparse."""
+    token_heads: bool = False
+    """bge-m3's two extra heads are loaded: token_classify gives its sparse head's weight per token, token_embed its
+    ColBERT vectors (both without the first token, token_classify without the last too, as vLLM serves them)."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +115,12 @@ class Runner(Protocol):
     info: ModelInfo
 
     def embed(
-        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
         """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation); for a score
-        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0. `per_token`: the
-        rows that want every token's state instead, as (tokens, dimension) (the result is then a list)."""
+        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0. `outputs`: what
+        each row wants when not all want the pooled vector (the result is then a list): token_embed rows get
+        (tokens, dimension) token vectors, token_classify rows (tokens,) token weights."""
         ...
 
     def load_kernels(self) -> list[KernelStatus]:

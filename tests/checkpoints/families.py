@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from checkpoints.builders import _build_model, _save_model, _write_bert_tokenizer, write_st_pooling
+from checkpoints.builders import _build_model, _save_model, _write_bert_tokenizer, build_bert, write_st_pooling
 from checkpoints.qwen_tokenizer import QWEN3_EOS_ID, QWEN3_VOCAB_SIZE, build_qwen3_tokenizer
 
 __all__ = [
     "E5_MISTRAL_7B_CONFIG",
     "NOMIC_BERT_CONFIG",
     "DecoderFamily",
+    "build_bge_m3",
     "build_decoder",
     "build_gemma3",
     "build_modernbert",
@@ -260,4 +261,23 @@ def build_splade(
                  "similarity_fn_name": "dot"}  # fmt: skip
     (out / "config_sentence_transformers.json").write_text(json.dumps(st_config))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+    return out
+
+
+def build_bge_m3(
+    out_dir: Path, *, layers: int = 2, hidden: int = 64, colbert_dim: int | None = None, seed: int = 0
+) -> Path:
+    """A small BAAI/bge-m3 as the hub holds it: an XLM-RoBERTa encoder (XLMRobertaModel, CLS pooling + normalize)
+    and, beside it, FlagEmbedding's two heads saved with torch.save: sparse_linear.pt (hidden -> 1) and
+    colbert_linear.pt (hidden -> hidden, or colbert_dim)."""
+    import torch
+
+    out = build_bert(out_dir, kind="xlm-roberta", layers=layers, hidden=hidden, seed=seed, st_pooling="cls")
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, rows in (("sparse_linear", 1), ("colbert_linear", colbert_dim or hidden)):
+        state = {
+            "weight": torch.randn(rows, hidden, generator=gen) * 0.2,
+            "bias": torch.randn(rows, generator=gen) * 0.1,
+        }
+        torch.save(state, out / f"{name}.pt")
     return out

@@ -15,6 +15,7 @@ from ember.api.invocations import invocations
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
 from ember.api.openapi import install_openapi
+from ember.api.pooling import pooling
 from ember.api.routes import Context, inference, probes
 from ember.api.scoring import scoring
 from ember.api.sparse import sparse
@@ -54,12 +55,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(inference)
+    app.include_router(pooling)
     app.include_router(scoring)
     app.include_router(cohere)
     app.include_router(invocations)
     app.include_router(sparse)
     app.include_router(probes)
-    protected = {route.path for router in (inference, scoring, cohere, invocations, sparse) for route in router.routes}  # type: ignore[attr-defined]
+    routers = (inference, pooling, scoring, cohere, invocations, sparse)
+    protected = {route.path for router in routers for route in router.routes}  # type: ignore[attr-defined]
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
                        api_keys=config.api_keys, protected=protected)  # fmt: skip
     return app

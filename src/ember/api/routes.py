@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
@@ -20,24 +20,33 @@ from ember.api.metrics import Metrics
 from ember.api.middleware import key_matches
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
-    REMOVED_TASKS,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
-    PoolingRequest,
-    PoolingResponse,
-    PoolingTask,
     TokenizeRequest,
     TokenizeResponse,
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.errors import InputError, RequestTooLargeError
+from ember.types import Output
 from ember.version import __version__
 
-__all__ = ["Context", "check_count", "context", "engine_call", "inference", "probes", "require_api_key"]
+__all__ = [
+    "Context",
+    "check_count",
+    "context",
+    "embed_params",
+    "engine_call",
+    "envelope",
+    "inference",
+    "input_count",
+    "probes",
+    "require_api_key",
+    "vectors_response",
+]
 
 
 @dataclass
@@ -132,10 +141,11 @@ def input_count(inputs: Any) -> int:
     return 1
 
 
-def _params(body: EmbeddingRequest, per_token: bool = False) -> EmbedParams:
+def embed_params(body: EmbeddingRequest, output: Output = "embed") -> EmbedParams:
+    """The engine's options for an embedding (or pooling) request."""
     normalize = body.normalize if body.normalize is not None else body.use_activation
     return EmbedParams(
-        per_token=per_token,
+        output=output,
         dimensions=body.dimensions,
         normalize=normalize,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
@@ -182,13 +192,13 @@ async def engine_call(
     return ctx, result, tokens
 
 
-async def _vectors(
-    request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str, per_token: bool = False
+async def vectors_response(
+    request: Request, body: EmbeddingRequest, *, prefix: str, kind: str, field: str, output: Output = "embed"
 ) -> Response:
     """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order
-    (`per_token`: each input's (tokens, D) vectors as nested lists, or their bytes row by row)."""
+    (token_embed: each input's (tokens, D) vectors as nested lists, or their bytes row by row)."""
     check_count(request, input_count(body.input), "input")
-    params = _params(body, per_token)
+    params = embed_params(body, output)
     compact = body.embedding_type != "float"
     if compact and body.embed_dtype != "float32":
         raise InputError(f"embed_dtype applies to float vectors; embedding_type {body.embedding_type!r} is sent as "
@@ -196,19 +206,19 @@ async def _vectors(
     ctx, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
     )
-    envelope = _envelope(ctx, request, prefix, [], tokens)
+    answer = envelope(ctx, request, prefix, [], tokens)
     fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
     vectors = (
         [quantize(v, body.embedding_type, "embedding_type") for v in result.vectors] if compact else result.vectors
     )
     if fmt in ("bytes", "bytes_only"):
-        return bytes_response(list(vectors), envelope, fmt, dtype, order)
-    envelope["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)}
-                        for i, v in enumerate(vectors)]  # fmt: skip
-    return JSONBytes(envelope)
+        return bytes_response(list(vectors), answer, fmt, dtype, order)
+    answer["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)}
+                      for i, v in enumerate(vectors)]  # fmt: skip
+    return JSONBytes(answer)
 
 
-def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+def envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     return {
         "id": f"{prefix}-{request.state.request_id}",
         "object": "list",
@@ -223,25 +233,7 @@ def _envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, 
 @inference.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings endpoint, with vLLM's extras."""
-    return await _vectors(request, body, prefix="embd", kind="embedding", field="embedding")
-
-
-@inference.post("/pooling", response_model=PoolingResponse)
-async def pooling(body: PoolingRequest, request: Request) -> Response:
-    """vLLM's pooling endpoint: `data` per input. `task` (vLLM's) is `embed` (the pooled vector) or `token_embed`
-    (a vector per token); the default is --pooler-config's task, else embed. A task the model cannot do is
-    refused with vLLM's message."""
-    engine = context(request).engine
-    supported = ("embed", "token_embed") if engine.info.task == "embed" else ()
-    task = body.task or engine.preprocessor.pooler.task or "embed"
-    if task in REMOVED_TASKS:
-        raise InputError(REMOVED_TASKS[task], "task")
-    if task not in get_args(PoolingTask):
-        allowed = ", ".join(repr(t) for t in get_args(PoolingTask))
-        raise InputError(f"invalid value for 'task': Input should be one of {allowed}, got {task!r}", "task")
-    if task not in supported:
-        raise InputError(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
-    return await _vectors(request, body, prefix="pool", kind="pooling", field="data", per_token=task == "token_embed")
+    return await vectors_response(request, body, prefix="embd", kind="embedding", field="embedding")
 
 
 @inference.post("/tokenize", response_model=TokenizeResponse)

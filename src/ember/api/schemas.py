@@ -62,7 +62,7 @@ class EmbeddingRequest(_Request):
 
 
 PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]
-"""vLLM's pooling tasks; ember runs embed and token_embed."""
+"""vLLM's pooling tasks; ember runs embed, token_embed and (sparse models) token_classify."""
 REMOVED_TASKS = {
     "score": "`score` task was removed; use `classify` instead.",
     "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
@@ -74,8 +74,12 @@ class PoolingRequest(EmbeddingRequest):
     """POST /pooling: an embedding request with vLLM's `task`."""
 
     task: str | None = Field(
-        None, description="embed: a vector per input; token_embed: a vector per token (default: --pooler-config task)"
+        None,
+        description="embed: a vector per input; token_embed: a vector per token; token_classify: sparse weights "
+        "(SPLADE, bge-m3) (default: --pooler-config task)",
     )
+    top_k: int | None = Field(None, ge=1, description="ember, token_classify: keep each input's k largest weights")
+    return_tokens: bool | None = Field(None, description="token_classify: each sparse entry's token text (vLLM's)")
 
 
 class Usage(BaseModel):
@@ -100,10 +104,19 @@ class EmbeddingResponse(BaseModel):
     usage: Usage
 
 
+class SparseEntry(BaseModel):
+    token_id: int
+    weight: float
+    token: str | None = None
+
+
 class PoolingData(BaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | list[list[float]] | str
+    data: list[float] | list[list[float]] | str | None = None
+    sparse_embedding: list[SparseEntry] | None = Field(
+        None, description="token_classify: the input's sparse weights by token id (vLLM's bge-m3 sparse shape)"
+    )
 
 
 class PoolingResponse(BaseModel):

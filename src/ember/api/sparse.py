@@ -1,9 +1,11 @@
-"""TEI's sparse embedding endpoint, `POST /embed_sparse`, for SPLADE models: per input, the non-zero vocabulary
-weights as `[{"index": token id, "value": weight}]` in ascending index order (TEI's shape).
+"""Sparse (lexical) weights: TEI's `POST /embed_sparse`, and the entries /pooling's token_classify answers with.
 
+An input's sparse weights are a SPLADE model's non-zero vocabulary weights, or bge-m3's sparse head merged as
+FlagEmbedding merges it (each distinct token's largest weight; special tokens and zeros left out).
+/embed_sparse gives `[{"index": token id, "value": weight}]` per input in ascending index order (TEI's shape).
 `truncate` true cuts over-long inputs to max-model-len (`truncation_direction` right or left); unset, the server's
 --auto-truncate decides. `top_k` (an ember extension) keeps each input's k largest weights, still by index.
-The same weights come dense (one value per vocabulary entry) from /v1/embeddings, as vLLM serves SPLADE.
+A SPLADE model's weights also come dense (one value per vocabulary entry) from /v1/embeddings, as vLLM serves it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember.api.responses import JSONBytes
 from ember.api.routes import check_count, context, engine_call, require_api_key
 from ember.engine.engine import EmbedParams
+from ember.engine.lexical import TokenWeights
 from ember.errors import InputError
+from ember.tokenizer import Tokenizer
+from ember.types import ModelInfo
 
-__all__ = ["EmbedSparseRequest", "sparse", "sparse_pairs"]
+__all__ = ["EmbedSparseRequest", "lexical", "sparse", "sparse_output", "token_entries"]
 
 sparse = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -37,29 +42,57 @@ class EmbedSparseRequest(BaseModel):
     model: str | None = None
 
 
-def sparse_pairs(weights: np.ndarray, top_k: int | None = None) -> list[dict[str, Any]]:
-    """The non-zero entries of a (vocabulary,) weight vector as {index, value}, by index; the top_k largest."""
-    index = np.flatnonzero(weights)
-    if top_k is not None and len(index) > top_k:
-        index = np.sort(index[np.argsort(-weights[index], kind="stable")[:top_k]])
-    return [{"index": int(i), "value": float(weights[i])} for i in index]
+def sparse_output(info: ModelInfo) -> Literal["embed", "token_classify"] | None:
+    """What the engine computes for an input's sparse weights: a SPLADE model's pooled vocabulary vector, bge-m3's
+    weight per token; None for a model that has no sparse weights."""
+    if info.splade_strategy is not None:
+        return "embed"
+    return "token_classify" if info.token_heads else None
+
+
+def lexical(answer: Any, tokenizer: Tokenizer, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """An input's sparse weights from the engine's answer (a SPLADE vocabulary vector or bge-m3's TokenWeights):
+    (token ids ascending, weights), the top_k largest when given."""
+    if isinstance(answer, TokenWeights):
+        ids, weights = answer.lexical(tokenizer.special_ids)
+    else:
+        vector = np.asarray(answer)
+        ids = np.flatnonzero(vector)
+        weights = vector[ids]
+    if top_k is not None and len(ids) > top_k:
+        keep = np.sort(np.argsort(-weights, kind="stable")[:top_k])
+        ids, weights = ids[keep], weights[keep]
+    return ids, weights
+
+
+def token_entries(
+    ids: np.ndarray, weights: np.ndarray, tokenizer: Tokenizer, with_tokens: bool
+) -> list[dict[str, Any]]:
+    """vLLM's sparse entries (its bge-m3 sparse plugin's shape): `{token_id, weight, token}`, the token's text
+    only when asked for."""
+    return [
+        {"token_id": int(i), "weight": float(w), "token": tokenizer.token_text(int(i)) if with_tokens else None}
+        for i, w in zip(ids, weights, strict=True)
+    ]
 
 
 @sparse.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
-    """A SPLADE model's vocabulary weights per input, non-zero ones only."""
-    info = context(request).engine.info
-    if info.splade_strategy is None:
-        raise InputError(f"this model ({info.architecture}) gives dense embeddings: /embed_sparse needs a sparse "
-                         "model (SPLADE); use /v1/embeddings", "inputs")  # fmt: skip
+    """Sparse weights per input, non-zero ones only, as TEI's `{index, value}` pairs."""
+    engine = context(request).engine
+    output = sparse_output(engine.info)
+    if output is None:
+        raise InputError(f"this model ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
+                         "a sparse model (SPLADE, or bge-m3 with its sparse head)", "inputs")  # fmt: skip
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
         raise InputError("`inputs` cannot be empty", "inputs")
     check_count(request, len(texts), "inputs")
     side: Literal["left", "right"] = "left" if body.truncation_direction.lower() == "left" else "right"
     params = EmbedParams(truncate_prompt_tokens=-1 if body.truncate else None, truncation_side=side,
-                         prompt_name=body.prompt_name)  # fmt: skip
+                         prompt_name=body.prompt_name, output=output)  # fmt: skip
     _, result, _ = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(texts, params, timeout=timeout)
     )
-    return JSONBytes([sparse_pairs(np.asarray(v), body.top_k) for v in result.vectors])
+    pairs = (lexical(v, engine.tokenizer, body.top_k) for v in result.vectors)
+    return JSONBytes([[{"index": int(i), "value": float(w)} for i, w in zip(*p, strict=True)] for p in pairs])

@@ -34,6 +34,7 @@ from ember.models.checkpoint import (
 )
 from ember.models.classifier import activation, num_labels
 from ember.models.dense import Dense
+from ember.models.m3 import M3Heads
 from ember.models.registry import model_class
 from ember.models.splade import SPLADE_SLICE, SpladeModel
 from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
@@ -169,6 +170,9 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     if pack_linears(net, p.dtype) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
+    heads = None  # bge-m3's sparse and ColBERT heads: found beside the weights, or named by vLLM's architecture
+    if p.architecture == "BgeM3EmbeddingModel" or (not score and not p.st.splade_strategy and M3Heads.present(p.path)):
+        heads = M3Heads.load(p.path, net.hidden_size)
     dims = p.hf_config.get("matryoshka_dimensions")
     if score:
         dimension = num_labels(p.hf_config)
@@ -193,6 +197,7 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         activation=p.activation,
         pair_template="qwen3-reranker" if score and p.cls.is_decoder else "tokenizer",
         splade_strategy=p.hf_config.get("splade_pooling_strategy") if p.pooling.method == "SPLADE" else None,
+        token_heads=heads is not None,
     )
     seconds = time.perf_counter() - start
     log.info(
@@ -201,7 +206,7 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         p.pooling.source, info.max_model_len, seconds,
     )  # fmt: skip
     log.info("%s", p.memory.describe())
-    return Loaded(tokenizer, TorchRunner(net, info, dense, native), info, p, seconds)
+    return Loaded(tokenizer, TorchRunner(net, info, dense, native, heads), info, p, seconds)
 
 
 def _load_weights(p: ModelPlan) -> Architecture:

@@ -25,7 +25,7 @@ from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
 from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
 from ember.resources import release_free_memory
 from ember.tokenizer import Tokenizer
-from ember.types import KernelStatus, ModelInfo, Runner
+from ember.types import KernelStatus, ModelInfo, Output, Runner
 
 __all__ = ["AsyncEngine", "EmbedParams", "EmbedResult", "ScoreParams", "ScoreResult"]
 
@@ -48,7 +48,7 @@ BatchObserver = Callable[[int, int, float], None]
 class EmbedResult:
     """Vectors in input order, exact token counts, and where the time went."""
 
-    vectors: list[Any]  # (D,) float32 arrays
+    vectors: list[Any]  # (D,) float32 arrays; (tokens, D) for token_embed; TokenWeights for token_classify
     token_counts: list[int]
     queue_seconds: float
     inference_seconds: float
@@ -211,7 +211,7 @@ class AsyncEngine:
         fit = self.preprocessor.fit
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
         request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted],
-                                          per_token=params.per_token, timeout=timeout)  # fmt: skip
+                                          output=params.output, timeout=timeout)  # fmt: skip
         return EmbedResult(
             self.preprocessor.vectors(request.windows, request.pooled, prepared),
             request.token_counts,
@@ -251,7 +251,7 @@ class AsyncEngine:
         counts: list[int],
         types: list[list[list[int]]] | None = None,
         *,
-        per_token: bool = False,
+        output: Output = "embed",
         timeout: float | None = None,
     ) -> Request:
         """Queue a request's windows and wait for them; a cancelled caller's queued work is never computed.
@@ -264,14 +264,14 @@ class AsyncEngine:
                 "--max-queued-tokens as the memory plan allows): send its inputs in smaller requests",
                 "input",
             )
-        vectors, most = (tokens if per_token else len(windows)), self.config.max_queued_vectors
+        vectors, most = (len(windows) if output == "embed" else tokens), self.config.max_queued_vectors
         if most is not None and vectors > most:
             raise RequestTooLargeError(
                 f"this request's answer holds {vectors} vectors, more than this server's memory plan keeps for "
                 f"answers ({most}): send its inputs in smaller requests",
                 "input",
             )
-        request = self.scheduler.admit(windows, counts, time.monotonic(), types, per_token, timeout)
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout)
         future = asyncio.get_running_loop().create_future()
         self._waiting[id(request)] = (request, future)
         assert self._wakeup is not None

@@ -15,9 +15,10 @@ import numpy as np
 
 from ember.config import PoolerConfig
 from ember.engine.chunking import Specials, embed_windows, split_windows, token_head, truncate
+from ember.engine.lexical import TokenWeights
 from ember.errors import ConfigError, InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo
+from ember.types import ModelInfo, Output
 
 __all__ = [
     "EmbedParams",
@@ -185,9 +186,11 @@ class EmbedParams:
     """A prompt of the model's (config_sentence_transformers.json) put before each text; None: its default."""
     prompt: str | None = None
     """The text to put before each text instead ("": nothing, whatever the model's default)."""
-    per_token: bool = False
-    """One vector per token instead of one per input (vLLM's `token_embed` task): the last hidden states, through
-    the model's Dense modules, `dimensions` and normalisation each. Inputs are never chunked for it."""
+    output: Output = "embed"
+    """What each input gives (vLLM's pooling task): its pooled vector; token_embed, a vector per token (the last
+    hidden states through the model's Dense modules, or bge-m3's ColBERT head, then `dimensions` and normalisation
+    each); token_classify, a weight per token (bge-m3's sparse head). Inputs are never chunked for the token
+    outputs."""
 
 
 class Prepared(NamedTuple):
@@ -197,7 +200,7 @@ class Prepared(NamedTuple):
     prompt: str
     dimensions: int | None
     normalize: bool
-    per_token: bool = False
+    output: Output = "embed"
 
 
 class Preprocessor:
@@ -216,9 +219,19 @@ class Preprocessor:
     def check(self, inputs: Any, params: EmbedParams) -> Prepared:
         """Everything about a request that needs no tokenising; raises InputError."""
         items = split_inputs(inputs)
+        self._check_output(params.output)
         normalize = self.info.pooling.normalize if params.normalize is None else params.normalize
         prompt = self.prompt(params.prompt_name) if params.prompt is None else params.prompt
-        return Prepared(items, prompt, self._dimensions(params.dimensions), normalize, params.per_token)
+        return Prepared(items, prompt, self._dimensions(params.dimensions), normalize, params.output)
+
+    def _check_output(self, output: Output) -> None:
+        info = self.info
+        if output == "token_classify" and not info.token_heads:
+            raise InputError(f"this model ({info.architecture}) has no weight per token: token_classify needs "
+                             "bge-m3's sparse head (sparse_linear.pt beside the weights)", "task")  # fmt: skip
+        if output == "token_embed" and info.splade_strategy is not None:
+            raise InputError(f"this model ({info.architecture}) gives a weight per vocabulary entry per input, "
+                             "not token vectors: use task embed, or /embed_sparse", "task")  # fmt: skip
 
     def prompt(self, prompt_name: str | None) -> str:
         """The prompt to put before each text: the named one, else the model's default, else none."""
@@ -239,7 +252,8 @@ class Preprocessor:
         """Tokenise (texts) or check (token ids), then fit each input to the model's length."""
         seqs = tokenize(self.tokenizer, prepared.items, prepared.prompt, params.add_special_tokens)
         specials, max_len = self.tokenizer.special_tokens, self.info.max_model_len
-        pooler = replace(self.pooler, enable_chunked_processing=False) if params.per_token else self.pooler
+        chunked = self.pooler.enable_chunked_processing and params.output == "embed"
+        pooler = replace(self.pooler, enable_chunked_processing=chunked)
         return [
             fit_length(ids, max_len, specials, truncate_to=params.truncate_prompt_tokens, side=params.truncation_side,
                        pooler=pooler, auto_truncate=self.auto_truncate)
@@ -248,14 +262,33 @@ class Preprocessor:
 
     def vectors(
         self, windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
-    ) -> list[np.ndarray]:
-        """Each input's vector from its pooled windows (keyed (input, window)): head, and merge when chunked; with
-        `per_token`, each input's (tokens, D) states with the head applied to every row."""
-        if prepared.per_token:
-            return [token_head(pooled[(i, 0)], prepared.dimensions, prepared.normalize) for i in range(len(windows))]
-        merge = self.info.splade_strategy or "mean"
-        return [
-            embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
-                          prepared.normalize, merge)
-            for i, ws in enumerate(windows)
-        ]  # fmt: skip
+    ) -> list[Any]:
+        """Each input's answer from its pooled windows (keyed (input, window)): its vector, head applied and merged
+        when chunked; for token_embed its (tokens, D) vectors with the head applied to every row; for
+        token_classify its TokenWeights."""
+        if prepared.output == "embed":
+            merge = self.info.splade_strategy or "mean"
+            return [
+                embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
+                              prepared.normalize, merge)
+                for i, ws in enumerate(windows)
+            ]  # fmt: skip
+        out: list[Any] = []
+        for i, ws in enumerate(windows):
+            ids, rows = np.asarray(ws[0], dtype=np.int64), pooled[(i, 0)]
+            if self.info.token_heads:  # as vLLM serves bge-m3: no first token, and no last one for weights
+                keep = _without_specials(ws[0], self.tokenizer.special_tokens, prepared.output == "token_classify")
+                ids, rows = ids[keep], rows[keep]
+            if prepared.output == "token_embed":
+                out.append(token_head(rows, prepared.dimensions, prepared.normalize))
+            else:
+                out.append(TokenWeights(ids, np.asarray(rows, dtype=np.float32)))
+        return out
+
+
+def _without_specials(ids: list[int], specials: Specials, last_too: bool) -> slice:
+    """The rows of a window without its leading special token (BOS, [CLS]), and with `last_too` its trailing one
+    (EOS, [SEP]), where the window has them."""
+    start = 1 if specials.prefix and ids[:1] == list(specials.prefix[:1]) else 0
+    end = len(ids) - 1 if last_too and specials.suffix and ids[-1:] == list(specials.suffix[-1:]) else len(ids)
+    return slice(start, max(start, end))

@@ -12,13 +12,14 @@ import torch
 from ember.config import NativeConfig
 from ember.models.base import Architecture
 from ember.models.dense import Dense
+from ember.models.m3 import M3Heads
 from ember.ops.fused import compiled, compiling
 from ember.ops.native import build_kernels
 from ember.ops.pooling import pool
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
-from ember.types import KernelStatus, ModelInfo
+from ember.types import KernelStatus, ModelInfo, Output
 
 __all__ = ["TorchRunner", "padded_tokens"]
 
@@ -27,11 +28,18 @@ class TorchRunner:
     """Embeds packed batches: (B sequences of token ids) -> (B, dimension) float32 pooled vectors."""
 
     def __init__(
-        self, model: Architecture, info: ModelInfo, dense: list[Dense] | None = None, native: NativeConfig | None = None
+        self,
+        model: Architecture,
+        info: ModelInfo,
+        dense: list[Dense] | None = None,
+        native: NativeConfig | None = None,
+        heads: M3Heads | None = None,
     ) -> None:
         self.model = model
         self.info = info
         self.dense = dense or []
+        self.heads = heads
+        """bge-m3's sparse and ColBERT heads, for token_classify and token_embed."""
         self.native = native or NativeConfig()
         self.compiled = False
         """True once compile() has built the fused kernels: embed() then uses them."""
@@ -41,10 +49,11 @@ class TorchRunner:
 
     @torch.inference_mode()
     def embed(
-        self, batch: list[list[int]], token_types: list[list[int]] | None = None, per_token: list[bool] | None = None
+        self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
+        per_token = outputs is not None and any(o != "embed" for o in outputs)
         plan = None
-        if self.share_prefixes and not (per_token and any(per_token)):
+        if self.share_prefixes and not per_token:
             plan = share_prefixes(batch)  # sequences continuing a prefix held once in the batch, or None
         seqs = batch if plan is None else plan.segments
         seqlens = [len(ids) for ids in seqs]
@@ -71,17 +80,24 @@ class TorchRunner:
             return logits.float().numpy()
         for dense in self.dense:
             pooled = dense(pooled)
-        if per_token is None or not any(per_token):
+        if outputs is None or not per_token:
             return pooled.numpy()
-        return self._token_states(hidden[:total], seqlens, per_token, pooled.numpy())
+        return self._token_outputs(hidden[:total], seqlens, outputs, pooled.numpy())
 
-    def _token_states(
-        self, hidden: torch.Tensor, seqlens: list[int], per_token: list[bool], pooled: np.ndarray
+    def _token_outputs(
+        self, hidden: torch.Tensor, seqlens: list[int], outputs: list[Output], pooled: np.ndarray
     ) -> list[np.ndarray]:
-        """The pooled row for each sequence, or for those in `per_token` its (tokens, D) states after Dense."""
+        """Each sequence's pooled row, or what its output asks: for token_embed its (tokens, D) vectors (bge-m3's
+        ColBERT head, else the states through Dense), for token_classify its (tokens,) weights (the sparse head)."""
         out: list[np.ndarray] = list(pooled)
-        for i, (states, wanted) in enumerate(zip(hidden.split(seqlens), per_token, strict=True)):
-            if wanted:
+        for i, (states, output) in enumerate(zip(hidden.split(seqlens), outputs, strict=True)):
+            if output == "token_classify":
+                if self.heads is None:
+                    raise ValueError(f"{self.info.architecture} has no token weight head")
+                out[i] = self.heads.weights(states).numpy()
+            elif output == "token_embed" and self.heads is not None:
+                out[i] = self.heads.vectors(states).numpy()
+            elif output == "token_embed":
                 x = states.float()
                 for dense in self.dense:
                     x = dense(x)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ember.config import EngineConfig
 from ember.errors import OverloadedError
+from ember.types import Output
 
 __all__ = ["Request", "Scheduler", "WorkItem", "batch_inputs"]
 
@@ -38,7 +39,7 @@ class Request:
     arrival: float
     pending: int  # windows not yet computed
     token_types: list[list[list[int]]] | None = None  # per window, its tokens' segments (pairs); None: all 0
-    per_token: bool = False  # each window's token states are wanted, not its pooled vector
+    output: Output = "embed"  # what each window gives: its pooled vector, or a vector or weight per token
     in_queue: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
@@ -52,8 +53,8 @@ class Request:
 
     @property
     def vectors(self) -> int:
-        """The vectors its answer holds: one per input, or one per token with per_token."""
-        return self.tokens if self.per_token else len(self.windows)
+        """The vectors its answer holds: one per input, or one per token for the token outputs."""
+        return len(self.windows) if self.output == "embed" else self.tokens
 
     @property
     def done(self) -> bool:
@@ -132,15 +133,14 @@ class Scheduler:
         token_counts: list[int],
         now: float,
         token_types: list[list[list[int]]] | None = None,
-        per_token: bool = False,
+        output: Output = "embed",
         max_seconds: float | None = None,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
         queue's budgets are spent, its estimated wait before it starts is over max_queue_seconds, or its wait and
-        its own work are over `max_seconds` (the client's timeout). `per_token`: the request wants every token's
-        state, not pooled vectors."""
+        its own work are over `max_seconds` (the client's timeout). `output`: what it wants of each window."""
         pending = sum(len(ws) for ws in windows)
-        request = Request(windows, token_counts, now, pending, token_types, per_token)
+        request = Request(windows, token_counts, now, pending, token_types, output)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             self.queued_requests > 0
@@ -275,11 +275,12 @@ class Scheduler:
         return failed
 
 
-def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]] | None, list[bool] | None]:
+def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]] | None, list[Output] | None]:
     """A batch's token ids; when any of its items has them, token types (0 for the others); when any of its
-    requests wants token states, which rows do (else None)."""
+    requests wants more than pooled vectors, each row's output (else None)."""
     ids = [it.ids for it in batch]
-    per_token = [it.request.per_token for it in batch] if any(it.request.per_token for it in batch) else None
+    outputs = [it.request.output for it in batch]
+    wanted = outputs if any(o != "embed" for o in outputs) else None
     if all(it.types is None for it in batch):
-        return ids, None, per_token
-    return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch], per_token
+        return ids, None, wanted
+    return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch], wanted

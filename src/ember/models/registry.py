@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, type[Architecture]] = {
     "XLMRobertaModel": BertModel,
     "XLMRobertaForMaskedLM": BertModel,
     "RobertaModel": BertModel,
+    "BgeM3EmbeddingModel": BertModel,  # vLLM's name for XLM-R with bge-m3's heads (ember.models.m3)
     "BertSpladeSparseEmbeddingModel": SpladeModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,

@@ -1,0 +1,31 @@
+"""Lexical (sparse) weights from a weight per token, as bge-m3 defines them (FlagEmbedding's BGE-M3 model): per
+distinct token id, the largest weight it got anywhere in the input; special tokens and weights of zero left out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TokenWeights"]
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """One input's token ids (n,) int64 and the weight of each (n,) float32, in input order."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+
+    def lexical(self, skip: frozenset[int] = frozenset()) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct token ids ascending, the largest weight of each), leaving out the ids in `skip` and weights
+        that are not > 0."""
+        keep = self.weights > 0
+        if skip:
+            keep &= ~np.isin(self.ids, np.fromiter(skip, dtype=np.int64, count=len(skip)))
+        ids, weights = self.ids[keep], self.weights[keep]
+        order = np.lexsort((-weights, ids))  # by id, the largest weight first
+        ids, weights = ids[order], weights[order]
+        first = np.ones(len(ids), dtype=bool)
+        first[1:] = ids[1:] != ids[:-1]
+        return ids[first], weights[first]

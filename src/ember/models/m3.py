@@ -1,0 +1,60 @@
+"""bge-m3's two extra heads (BAAI/bge-m3, FlagEmbedding's BGE-M3 model), stored beside the checkpoint as
+`sparse_linear.pt` (hidden -> 1: relu of it is a lexical weight per token) and `colbert_linear.pt` (hidden -> D:
+a ColBERT vector per token). Both run in float32 on the encoder's last hidden states.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ember.errors import CheckpointError
+
+__all__ = ["HEAD_FILES", "M3Heads"]
+
+HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")
+
+
+class M3Heads(nn.Module):
+    """Hidden states (T, H) in; a weight per token (T,) from `weights`, a vector per token (T, D) from `vectors`."""
+
+    def __init__(self, hidden: int, colbert_dim: int) -> None:
+        super().__init__()
+        self.sparse_linear = nn.Linear(hidden, 1)
+        self.colbert_linear = nn.Linear(hidden, colbert_dim)
+
+    def weights(self, states: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.sparse_linear(states.float())).squeeze(-1)  # (T,)
+
+    def vectors(self, states: torch.Tensor) -> torch.Tensor:
+        return self.colbert_linear(states.float())  # (T, D)
+
+    @staticmethod
+    def present(path: Path) -> bool:
+        return all((path / name).is_file() for name in HEAD_FILES)
+
+    @classmethod
+    def load(cls, path: Path, hidden: int) -> M3Heads:
+        """The heads in model directory `path`, for an encoder of width `hidden`."""
+        sparse, colbert = (_read(path / name) for name in HEAD_FILES)
+        heads = cls(hidden, colbert["weight"].shape[0])
+        try:
+            heads.sparse_linear.load_state_dict(sparse)
+            heads.colbert_linear.load_state_dict(colbert)
+        except RuntimeError as e:  # shapes that do not fit the encoder
+            raise CheckpointError(f"bge-m3 heads in {path} do not fit a {hidden}-wide encoder: {e}") from None
+        return heads.float().eval().requires_grad_(False)
+
+
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)  # tensors only: never runs pickled code
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: bge-m3's heads need {' and '.join(HEAD_FILES)}") from None
+    except Exception as e:  # torch raises a bare pickle/runtime error on a corrupt or non-tensor file
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+    if not isinstance(state, dict) or "weight" not in state:
+        raise CheckpointError(f"{file} holds no linear layer's weight")
+    return {k.removeprefix("module."): v.float() for k, v in state.items()}
