@@ -9,12 +9,18 @@ vocabulary is 30,522 rather than the model's own, which changes the embedding lo
   as nomic-ai/modernbert-embed-base);
 - splade: naver/splade-v3 (BERT-base + its MLM head, SpladePooling max), reference SparseEncoder;
 - nomic: nomic-ai/nomic-embed-text-v1.5 (12 layers, 768 wide, rotary, SwiGLU); its reference is remote code that
-  cannot run here, so only ember's figure is printed.
+  cannot run here, so only ember's figure is printed;
+- qwen2: Alibaba-NLP/gte-Qwen2-1.5B-instruct (Qwen2, 28 layers, 1,536 wide, 12 heads, 2 KV heads, MLP 8,960, LAST
+  pooling), causal as transformers runs it;
+- llama: meta-llama/Llama-3.2-1B as a LAST-pooled embedder (16 layers, 2,048 wide, 32 heads, 8 KV heads, MLP
+  8,192, rope theta 500,000).
+The two decoders use the real Qwen3 tokenizer (151,669 entries; Llama 3.2's own has 128,256).
 
 Workload: N documents of ~256 tokens (ember bench's texts), batch of all of them, bf16 (or --dtype), the process's
 threads. Each round times ember then the reference on the same texts; the ratio is the median of the rounds' ratios.
 
     python benchmarks/families.py [--families embeddinggemma,modernbert,splade,nomic] [--docs 64] [--rounds 3]
+    python benchmarks/families.py --families qwen2,llama --docs 16
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -90,7 +97,7 @@ def _modernbert(out: Path) -> None:
     write_st_pooling(out, "mean", normalize=True, hidden=768, max_seq_length=8192)
 
 
-def _from_test_builder(build, out: Path, **shape: int) -> None:
+def _from_test_builder(build, out: Path, **shape: Any) -> None:
     """A test builder's checkpoint at a real model's shape, written beside `out` and moved into it."""
     import shutil
 
@@ -111,7 +118,22 @@ def _nomic(out: Path) -> None:
     _from_test_builder(build_nomic_bert, out, layers=12, hidden=768, heads=12, inner=3072)
 
 
-BUILDERS = {"embeddinggemma": _gemma, "modernbert": _modernbert, "splade": _splade, "nomic": _nomic}
+def _qwen2(out: Path) -> None:
+    from checkpoints.families import build_decoder
+
+    _from_test_builder(build_decoder, out, family="qwen2", layers=28, hidden=1536, heads=12, kv_heads=2,
+                       intermediate=8960, rope_theta=1e6)  # fmt: skip
+
+
+def _llama(out: Path) -> None:
+    from checkpoints.families import build_decoder
+
+    _from_test_builder(build_decoder, out, family="llama", layers=16, hidden=2048, heads=32, kv_heads=8,
+                       intermediate=8192, rope_theta=5e5)  # fmt: skip
+
+
+BUILDERS = {"embeddinggemma": _gemma, "modernbert": _modernbert, "splade": _splade, "nomic": _nomic,
+            "qwen2": _qwen2, "llama": _llama}  # fmt: skip
 
 
 def model_dir(family: str) -> Path:
