@@ -48,7 +48,9 @@ def reference(path, ids_list):
                     lexical[i] = float(w)
             vecs = torch.nn.functional.normalize(h[1:] @ colbert["weight"].T + colbert["bias"], dim=-1).numpy()
             dense = torch.nn.functional.normalize(h[0], dim=-1).numpy()
-            out.append({"dense": dense, "lexical": lexical, "colbert": vecs, "per_token": weights[1:-1]})
+            out.append(
+                {"dense": dense, "lexical": lexical, "colbert": vecs, "per_token": weights[1:-1], "all": weights}
+            )
     return out
 
 
@@ -170,9 +172,49 @@ def test_pooling_token_embed_gives_colbert_vectors_and_embed_sparse_teis_shape(m
     np.testing.assert_allclose(dense, ref["dense"], atol=1e-5)
 
 
+def test_without_special_tokens_every_token_keeps_its_weight(m3_dir, client):
+    ids = client.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    r = client.post("/pooling", json={"input": TEXTS[0], "task": "token_classify", "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["data"][0]["data"], reference(m3_dir, [ids])[0]["all"], atol=1e-5)
+
+
+def test_requests_of_each_output_at_once_each_get_their_own(m3_dir, embedder):
+    """Three requests in flight together (the engine batches them as one): a pooled vector, token vectors and
+    token weights each come back as the offline Embedder gives them alone."""
+    import asyncio
+
+    from ember.config import EngineConfig, ModelConfig
+    from ember.engine.build import build_engine, load
+    from ember.engine.engine import EmbedParams
+
+    engine = build_engine(load(ModelConfig(str(m3_dir), dtype="float32")), EngineConfig())
+
+    async def main():
+        await engine.start()
+        try:
+            outputs = ("embed", "token_embed", "token_classify")
+            calls = [engine.embed(TEXTS, EmbedParams(output=o)) for o in outputs]
+            return await asyncio.gather(*calls)
+        finally:
+            await engine.stop(1.0)
+
+    dense, tokens, weights = asyncio.run(main())
+    np.testing.assert_allclose(np.stack(dense.vectors), embedder.embed(TEXTS).vectors, atol=1e-5)
+    for got, want in zip(tokens.vectors, embedder.embed_tokens(TEXTS).vectors, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    for got, want in zip(weights.vectors, embedder.lexical_weights(TEXTS), strict=True):
+        ids, w = got.lexical(embedder.tokenizer.special_ids)
+        assert ids.tolist() == sorted(want) and w.tolist() == pytest.approx([want[k] for k in sorted(want)], abs=1e-5)
+
+
 def test_pooling_token_classify_refuses_what_it_cannot_encode(client):
     r = client.post("/pooling", json={"input": "a", "task": "token_classify", "encoding_format": "base64"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
+    r = client.post("/pooling", json={"input": "a", "task": "token_classify", "embed_dtype": "float16"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "embed_dtype"
+    r = client.post("/pooling", json={"input": "a", "task": "embed", "top_k": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
     r = client.post("/pooling", json={"input": "a", "task": "plugin"})
     assert r.status_code == 400
     assert "Supported tasks: ('embed', 'token_embed', 'token_classify')" in r.json()["error"]["message"]

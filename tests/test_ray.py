@@ -15,6 +15,8 @@ import pytest
 from checkpoints import build_bert
 from corpus import SENTENCES
 from ember import Embedder
+from ember.errors import ConfigError
+from ember.hardware import isa_tier, native_cpu_flags
 
 ray = pytest.importorskip("ray")
 
@@ -69,6 +71,46 @@ def test_each_actor_sizes_its_threads_to_the_cpus_ray_gave_it(cluster, model):
     one = ray.remote(num_cpus=1)(EmberEmbedder)
     ray.kill(actor)
     assert ray.get(one.remote(str(model), dtype="float32", enforce_eager=True).info.remote())["threads"] == 1
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= native_cpu_flags(), reason="the cap needs a CPU that reaches AVX2")
+def test_an_actor_capped_to_avx2_runs_as_an_avx2_cpu_and_embeds_the_same(cluster, model):
+    """EMBER_MAX_ISA reaches the actors (`ember embed --ray` passes it as max_isa, with torch's limits in their
+    environment): a capped actor reports the tier and its vectors equal an uncapped Embedder's."""
+    capped = ray.remote(num_cpus=1)(EmberEmbedder).remote(str(model), dtype="float32", enforce_eager=True,
+                                                         max_isa="avx2")  # fmt: skip
+    assert ray.get(capped.info.remote())["isa"] == "avx2"
+    texts = _texts(5)
+    table = ray.get(capped.__call__.remote(pa.table({"text": texts})))
+    want = Embedder(str(model), dtype="float32", enforce_eager=True).embed(texts).vectors
+    np.testing.assert_allclose(np.array(table.column("embedding").to_pylist()), want, atol=1e-5)
+    ray.kill(capped)
+    above = ray.remote(num_cpus=1)(EmberEmbedder).remote(str(model), dtype="float32", max_isa="amx")
+    if isa_tier(native_cpu_flags()) != "amx":  # a node below the cap refuses it rather than stop on SIGILL
+        with pytest.raises(ray.exceptions.RayActorError, match="only reaches"):
+            ray.get(above.info.remote())
+
+
+def test_ember_embed_ray_hands_the_cap_to_its_actors(monkeypatch, model, tmp_path):
+    from ember import hardware
+    from ember.cli.embed import ray_settings
+    from ember.cli.main import build_parser
+
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw"}))
+    for var in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "EMBER_MAX_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    args = build_parser().parse_args(["embed", "in.jsonl", "-o", str(tmp_path), "--model", str(model), "--ray"])
+    embedder, env = ray_settings(args)
+    assert "max_isa" not in embedder and "ONEDNN_MAX_CPU_ISA" not in env
+    monkeypatch.setenv("EMBER_MAX_ISA", "avx2")
+    embedder, env = ray_settings(args)
+    assert embedder["max_isa"] == "avx2" and embedder["model"] == str(model) and env["EMBER_MAX_ISA"] == "avx2"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the operator's own setting is kept
+    assert ray_settings(args)[1]["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+    monkeypatch.setenv("EMBER_MAX_ISA", "amx")
+    with pytest.raises(ConfigError, match="only reaches avx512"):
+        ray_settings(args)
 
 
 def test_numpy_batches_get_an_n_by_d_array(model):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ember.config import EngineConfig
+from ember.engine.engine import answer_vectors
 from ember.engine.scheduler import CONCURRENCY_MEMORY_SECONDS, SETTLE_SECONDS, Scheduler
 from ember.errors import OverloadedError
 
@@ -222,8 +223,10 @@ def test_the_answer_budget_refuses_a_request_whose_vectors_would_not_fit():
     with pytest.raises(OverloadedError):
         admit(s, 3, 3, 3)  # 11 > 10
     admit(s, 3, 3)  # 10: fits
-    r = scheduler().admit([[[7] * 5]], [5], 0.0, output="token_embed")  # token_embed: a vector per token
-    assert r.vectors == 5
+    r = scheduler().admit([[[7] * 5]], [5], 0.0, output="token_embed", vectors=answer_vectors("token_embed", 1, 5, 8))
+    assert r.vectors == 5  # token_embed: a vector per token
+    assert answer_vectors("token_classify", 2, 1000, 1024) == 2 + 8  # a weight and a sparse entry per token
+    assert answer_vectors("embed", 3, 1000, 1024) == 3
 
 
 def test_the_first_batch_does_not_count_before_its_cost_is_measured():

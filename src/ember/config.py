@@ -60,9 +60,9 @@ class PoolerConfig:
     """With chunked processing, the longest input accepted, in tokens (None: no limit)."""
     chunk_overlap: int = 0
     """ember extension: tokens each window shares with the previous one (at most half a window)."""
-    task: Literal["embed", "token_embed"] | None = None
-    """What /pooling answers when a request names no task: embed (a vector per input, the default) or
-    token_embed (a vector per token)."""
+    task: Literal["embed", "token_embed", "token_classify"] | None = None
+    """What /pooling answers when a request names no task: embed (a vector per input, the default), token_embed
+    (a vector per token) or token_classify (sparse weights, for models that have them)."""
 
     @classmethod
     def parse(cls, raw: str | dict[str, Any] | None, flag: str = "--pooler-config") -> PoolerConfig:
@@ -99,8 +99,9 @@ def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
     for name in ("normalize", "enable_chunked_processing"):
         if name in kw and kw[name] is not None and not isinstance(kw[name], bool):
             raise ConfigError(f"{flag}: {name} must be true or false, got {kw[name]!r}")
-    if kw.get("task") not in (None, "embed", "token_embed"):
-        raise ConfigError(f"{flag}: task {kw['task']!r} is not one ember runs; choose embed or token_embed")
+    if kw.get("task") not in (None, "embed", "token_embed", "token_classify"):
+        raise ConfigError(f"{flag}: task {kw['task']!r} is not one ember runs; choose embed, token_embed or "
+                          "token_classify")  # fmt: skip
     overlap = kw.get("chunk_overlap", 0)
     if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
         raise ConfigError(f"{flag}: chunk_overlap must be a non-negative integer, got {overlap!r}")
@@ -178,8 +179,9 @@ class EngineConfig:
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
     max_queued_vectors: int | None = None
-    """Most answer vectors held by admitted requests (an input each; a token each for token_embed), as the memory
-    plan allows; past it, 429 (413 for one request larger than all of it). None: unbounded (offline use)."""
+    """Most answer vectors held by admitted requests (an input each; a token each for token_embed; see
+    ember.engine.engine.answer_vectors), as the memory plan allows; past it, 429 (413 for one request larger than
+    all of it). None: unbounded (offline use)."""
     max_queue_seconds: float = 10.0
     """Admission by time (--max-queue-seconds): a request whose estimated wait before it starts (the running batch
     and the queued work due before it, earliest deadline first, at the measured cost per token) exceeds this gets

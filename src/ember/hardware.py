@@ -11,9 +11,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from ember.errors import ConfigError
+
 __all__ = [
     "ISA_TIERS",
     "auto_dtype",
+    "check_tier",
     "cpu_flags",
     "find_compiler",
     "has_fast_bf16",
@@ -42,6 +45,17 @@ def limit_isa(tier: str | None) -> None:
     if tier is not None and tier not in ISA_TIERS:
         raise ValueError(f"unknown ISA tier {tier!r}; expected one of {', '.join(ISA_TIERS)}")
     _max_isa = tier
+
+
+def check_tier(tier: str) -> str:
+    """`tier` when it is one of ISA_TIERS no higher than this CPU's own; else a ConfigError saying why (a cap can
+    only lower the tier: running above the CPU would stop on an illegal instruction)."""
+    if tier not in ISA_TIERS:
+        raise ConfigError(f"EMBER_MAX_ISA={tier!r} is not a tier; expected one of {', '.join(ISA_TIERS)}")
+    native = isa_tier(native_cpu_flags())
+    if native not in ISA_TIERS or ISA_TIERS.index(tier) < ISA_TIERS.index(native):
+        raise ConfigError(f"EMBER_MAX_ISA={tier}: this CPU only reaches {native}; a cap can only lower the tier")
+    return tier
 
 
 def onednn_isa(tier: str) -> str:

@@ -38,6 +38,7 @@ from ember.batch.backend import local, usable_texts
 from ember.batch.files import file_format, input_files
 from ember.batch.job import EmbedJob, JobSummary
 from ember.errors import ConfigError
+from ember.hardware import check_tier, isa_tier, limit_isa
 from ember.offline import Embedder
 
 __all__ = ["EmberEmbedder", "run_on_ray"]
@@ -58,6 +59,10 @@ class EmberEmbedder:
 
     Batches may be pyarrow Tables (`batch_format="pyarrow"`: the embedding is a fixed_size_list<float32>, as
     `ember embed` writes it), pandas DataFrames, or dicts of numpy arrays (Ray's default: an (N, D) array).
+    `max_isa` (a tier of ember.hardware.ISA_TIERS) runs the actor as a CPU of that tier would, as EMBER_MAX_ISA does
+    `ember serve`, and is refused on a node whose CPU is below it; torch's own limits (ONEDNN_MAX_CPU_ISA,
+    ATEN_CPU_CAPABILITY, a TORCHINDUCTOR_CACHE_DIR of the tier's own) belong in the workers' runtime_env, as
+    `ember embed --ray` sets them (ember.cli.runtime.isa_env).
     """
 
     def __init__(
@@ -70,8 +75,11 @@ class EmberEmbedder:
         normalize: bool | None = None,
         prompt_name: str | None = None,
         threads: int | None = None,
+        max_isa: str | None = None,
         **embedder_options: Any,
     ) -> None:
+        if max_isa is not None:  # before the model is built: its kernels are chosen from the capped flags
+            limit_isa(check_tier(max_isa))  # this node's CPU may be below the driver's: refused, never SIGILL
         self.text_column, self.output_column = text_column, output_column
         self.threads = threads or _assigned_cpus()
         self.embedder = Embedder(model, threads=self.threads, **embedder_options)
@@ -80,8 +88,9 @@ class EmberEmbedder:
         self.skipped: Counter[str] = Counter()
 
     def info(self) -> dict[str, Any]:
-        """What this actor runs: the model, its vector width and the threads it uses."""
-        return {"model": self.embedder.info.name, "dimension": self.embedder.info.dimension, "threads": self.threads}
+        """What this actor runs: the model, its vector width, the threads it uses and its instruction-set tier."""
+        info = self.embedder.info
+        return {"model": info.name, "dimension": info.dimension, "threads": self.threads, "isa": isa_tier()}
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, pa.Table):

@@ -122,7 +122,7 @@ class MemoryPlan:
     max_queued_tokens: int
     source: str
     max_queued_vectors: int | None = None
-    """Most answer vectors held at once (queued inputs, or tokens of token_embed requests); None: unbounded."""
+    """Most answer vectors held at once (queued inputs, tokens of token_embed requests); None: unbounded."""
 
     def describe(self) -> str:
         vectors = f", answers of up to {self.max_queued_vectors} vectors" if self.max_queued_vectors else ""

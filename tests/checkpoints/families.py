@@ -264,17 +264,15 @@ def build_splade(
     return out
 
 
-def build_bge_m3(
-    out_dir: Path, *, layers: int = 2, hidden: int = 64, colbert_dim: int | None = None, seed: int = 0
-) -> Path:
+def build_bge_m3(out_dir: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
     """A small BAAI/bge-m3 as the hub holds it: an XLM-RoBERTa encoder (XLMRobertaModel, CLS pooling + normalize)
     and, beside it, FlagEmbedding's two heads saved with torch.save: sparse_linear.pt (hidden -> 1) and
-    colbert_linear.pt (hidden -> hidden, or colbert_dim)."""
+    colbert_linear.pt (hidden -> hidden)."""
     import torch
 
     out = build_bert(out_dir, kind="xlm-roberta", layers=layers, hidden=hidden, seed=seed, st_pooling="cls")
     gen = torch.Generator().manual_seed(seed + 1)
-    for name, rows in (("sparse_linear", 1), ("colbert_linear", colbert_dim or hidden)):
+    for name, rows in (("sparse_linear", 1), ("colbert_linear", hidden)):
         state = {
             "weight": torch.randn(rows, hidden, generator=gen) * 0.2,
             "bias": torch.randn(rows, generator=gen) * 0.1,

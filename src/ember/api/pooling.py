@@ -54,6 +54,9 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
         raise InputError(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
     if task == "token_classify":
         return await _sparse_weights(request, body)
+    for field in ("top_k", "return_tokens"):
+        if getattr(body, field) is not None:
+            raise InputError(f"{field} applies to task token_classify (sparse weights), not {task}", field)
     output: Output = "token_embed" if task == "token_embed" else "embed"
     return await vectors_response(request, body, prefix="pool", kind="pooling", field="data", output=output)
 
@@ -62,8 +65,11 @@ async def _sparse_weights(request: Request, body: PoolingRequest) -> Response:
     """token_classify: per input, `sparse_embedding` (each distinct token's weight, ascending token id, the top_k
     largest when asked), and for bge-m3 vLLM's `data`: its sparse head's weight per token, without the first and
     last token. A SPLADE model has no weight per token, so its items carry `sparse_embedding` only."""
-    if body.encoding_format not in (None, "float"):
-        raise InputError("token_classify answers with JSON numbers: leave encoding_format unset", "encoding_format")
+    defaults = {"encoding_format": (None, "float"), "embedding_type": ("float",), "embed_dtype": ("float32",),
+                "endianness": ("native",)}  # fmt: skip
+    for field, unset in defaults.items():
+        if getattr(body, field) not in unset:
+            raise InputError(f"token_classify answers with JSON numbers: leave {field} unset", field)
     check_count(request, input_count(body.input), "input")
     engine = context(request).engine
     params = embed_params(body, sparse_output(engine.info) or "token_classify")

@@ -219,6 +219,7 @@ async def vectors_response(
 
 
 def envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """The list answer around `data` (OpenAI's and vLLM's): id, object, created, model, usage."""
     return {
         "id": f"{prefix}-{request.state.request_id}",
         "object": "list",

@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 from ember.cli.flags import parse_json_flag, parse_size
-from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
+from ember.cli.runtime import isa_env, max_isa, maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "ray_settings", "run"]
 
 log = logging.getLogger("ember.embed")
 
@@ -135,6 +135,18 @@ def _embed(args: argparse.Namespace, threads: int) -> int:
     return _report(summary)
 
 
+def ray_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """The actors' EmberEmbedder keywords and the workers' environment: the operator's EMBER_* and HF_* settings,
+    and with EMBER_MAX_ISA the cap (each actor caps itself as `ember serve` does) and torch's limits for it."""
+    embedder = {"model": args.model, **_params(args), **_model_options(args)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("EMBER_", "HF_"))}
+    tier = max_isa()
+    if tier is not None:
+        embedder["max_isa"] = tier
+        env.update(isa_env(tier))
+    return embedder, env
+
+
 def _on_ray(args: argparse.Namespace) -> int:
     """The same job on a Ray cluster: `ember.ray.run_on_ray` with this command's model options."""
     if args.url or args.cache:
@@ -143,11 +155,10 @@ def _on_ray(args: argparse.Namespace) -> int:
         from ember.ray import run_on_ray
     except ImportError:
         raise EmberError("--ray needs Ray: pip install 'ember[ray]'") from None
-    embedder = {"model": args.model, **_params(args), **_model_options(args)}
     if args.ray and _looks_like_input(args.ray):
         raise EmberError(f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or name the "
                          "address (--ray auto, --ray HOST:PORT, --ray ray://HOST:10001)")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k.startswith(("EMBER_", "HF_"))}  # the operator's settings
+    embedder, env = ray_settings(args)
     try:
         summary = run_on_ray(_job(args), embedder, address=args.ray, env=env, actors=args.actors,
                              cpus_per_actor=args.cpus_per_actor, batch_size=args.batch_size or 256)  # fmt: skip

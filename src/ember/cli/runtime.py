@@ -15,11 +15,20 @@ from pathlib import Path
 
 from ember.config import ONEDNN_KERNEL_CACHE, NativeConfig
 from ember.errors import ConfigError
-from ember.hardware import ISA_TIERS, isa_tier, limit_isa, native_cpu_flags, onednn_isa
+from ember.hardware import check_tier, limit_isa, onednn_isa
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
-__all__ = ["cap_isa", "connection_limit", "native_config", "parse_bytes", "prepare_process", "torch_cache_dir"]
+__all__ = [
+    "cap_isa",
+    "connection_limit",
+    "isa_env",
+    "max_isa",
+    "native_config",
+    "parse_bytes",
+    "prepare_process",
+    "torch_cache_dir",
+]
 
 
 log = logging.getLogger("ember.cli")
@@ -93,7 +102,7 @@ def connection_limit(asked: int | None) -> int:
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
     """Decide and apply the instruction-set cap, the thread count and binding; call before importing torch."""
-    cap_isa(os.environ.get("EMBER_MAX_ISA", "").strip().lower() or None)
+    cap_isa(max_isa())
     torch_cache_dir()
     label = "--threads" if threads is not None else "EMBER_THREADS"
     requested = threads if threads is not None else _int_env("EMBER_THREADS")
@@ -161,25 +170,33 @@ def _temp_dirs() -> list[str]:
         return [os.environ.get("TMPDIR") or "/tmp"]
 
 
-def cap_isa(tier: str | None) -> None:
-    """EMBER_MAX_ISA=avx512_bf16|avx512|avx2: run as a CPU of that tier would: ember's kernel choice and builds
-    (ember.hardware.limit_isa), and torch's (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, unless already set)."""
-    if tier is None:
-        return
-    if tier not in ISA_TIERS:
-        raise ConfigError(f"EMBER_MAX_ISA={tier!r} is not a tier; expected one of {', '.join(ISA_TIERS)}")
-    native = isa_tier(native_cpu_flags())
-    if native in ISA_TIERS and ISA_TIERS.index(tier) < ISA_TIERS.index(native):
-        raise ConfigError(f"EMBER_MAX_ISA={tier}: this CPU only reaches {native}; a cap can only lower the tier")
-    limit_isa(tier)
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn_isa(tier))
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2" if tier == "avx2" else "avx512")
+def max_isa() -> str | None:
+    """EMBER_MAX_ISA, checked (ember.hardware.check_tier), or None."""
+    tier = os.environ.get("EMBER_MAX_ISA", "").strip().lower() or None
+    return None if tier is None else check_tier(tier)
+
+
+def isa_env(tier: str) -> dict[str, str]:
+    """The variables that keep torch inside a tier (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, and an inductor cache
+    of the tier's own), each as already set if it is: for this process, or for Ray workers started from it."""
     # inductor's cache does not tell kernels built for AVX2 from AVX-512 ones: sharing its default directory
     # with uncapped runs loaded the other tier's kernels (NaN outputs, heap corruption). One per tier.
     user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "") or str(os.getuid()))
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{tier}")
-    )
+    wanted = {
+        "ONEDNN_MAX_CPU_ISA": onednn_isa(tier),
+        "ATEN_CPU_CAPABILITY": "avx2" if tier == "avx2" else "avx512",
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{tier}"),
+    }
+    return {k: os.environ.get(k, v) for k, v in wanted.items()}
+
+
+def cap_isa(tier: str | None) -> None:
+    """EMBER_MAX_ISA=avx512_bf16|avx512|avx2: run as a CPU of that tier would: ember's kernel choice and builds
+    (ember.hardware.limit_isa), and torch's (isa_env)."""
+    if tier is None:
+        return
+    limit_isa(check_tier(tier))
+    os.environ.update(isa_env(tier))
     log.info("instruction set capped to %s (EMBER_MAX_ISA); oneDNN: %s", tier, os.environ["ONEDNN_MAX_CPU_ISA"])
 
 

@@ -171,7 +171,8 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
     heads = None  # bge-m3's sparse and ColBERT heads: found beside the weights, or named by vLLM's architecture
-    if p.architecture == "BgeM3EmbeddingModel" or (not score and not p.st.splade_strategy and M3Heads.present(p.path)):
+    beside = not score and p.pooling.method != "SPLADE" and M3Heads.present(p.path)
+    if p.architecture == "BgeM3EmbeddingModel" or beside:
         heads = M3Heads.load(p.path, net.hidden_size)
     dims = p.hf_config.get("matryoshka_dimensions")
     if score:

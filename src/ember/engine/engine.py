@@ -54,6 +54,17 @@ class EmbedResult:
     inference_seconds: float
 
 
+def answer_vectors(output: Output, inputs: int, tokens: int, dimension: int) -> int:
+    """The vectors of the model's width a request's answer holds, as the memory plan counts answers: one per input;
+    one per token for token_embed; for token_classify a weight per token and a sparse entry (id, weight, text) per
+    distinct token, some 8 numbers a token."""
+    if output == "embed":
+        return inputs
+    if output == "token_embed":
+        return tokens
+    return inputs + -(-8 * tokens // max(1, dimension))
+
+
 @dataclass(frozen=True)
 class ScoreResult:
     """A score per pair in request order, exact token counts, and where the time went."""
@@ -264,14 +275,15 @@ class AsyncEngine:
                 "--max-queued-tokens as the memory plan allows): send its inputs in smaller requests",
                 "input",
             )
-        vectors, most = (len(windows) if output == "embed" else tokens), self.config.max_queued_vectors
+        vectors = answer_vectors(output, len(windows), tokens, self.info.dimension)
+        most = self.config.max_queued_vectors
         if most is not None and vectors > most:
             raise RequestTooLargeError(
                 f"this request's answer holds {vectors} vectors, more than this server's memory plan keeps for "
                 f"answers ({most}): send its inputs in smaller requests",
                 "input",
             )
-        request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout)
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout, vectors)
         future = asyncio.get_running_loop().create_future()
         self._waiting[id(request)] = (request, future)
         assert self._wakeup is not None

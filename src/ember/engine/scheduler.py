@@ -40,6 +40,7 @@ class Request:
     pending: int  # windows not yet computed
     token_types: list[list[list[int]]] | None = None  # per window, its tokens' segments (pairs); None: all 0
     output: Output = "embed"  # what each window gives: its pooled vector, or a vector or weight per token
+    vectors: int = 0  # the dimension-wide vectors its answer holds, as the memory plan counts answers
     in_queue: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
@@ -50,11 +51,6 @@ class Request:
     @property
     def tokens(self) -> int:
         return sum(len(w) for ws in self.windows for w in ws)
-
-    @property
-    def vectors(self) -> int:
-        """The vectors its answer holds: one per input, or one per token for the token outputs."""
-        return len(self.windows) if self.output == "embed" else self.tokens
 
     @property
     def done(self) -> bool:
@@ -135,12 +131,15 @@ class Scheduler:
         token_types: list[list[list[int]]] | None = None,
         output: Output = "embed",
         max_seconds: float | None = None,
+        vectors: int | None = None,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
         queue's budgets are spent, its estimated wait before it starts is over max_queue_seconds, or its wait and
-        its own work are over `max_seconds` (the client's timeout). `output`: what it wants of each window."""
+        its own work are over `max_seconds` (the client's timeout). `output`: what it wants of each window;
+        `vectors`: what its answer holds, in vectors of the model's width (default: one per input)."""
         pending = sum(len(ws) for ws in windows)
-        request = Request(windows, token_counts, now, pending, token_types, output)
+        count = len(windows) if vectors is None else vectors
+        request = Request(windows, token_counts, now, pending, token_types, output, count)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             self.queued_requests > 0

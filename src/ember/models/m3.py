@@ -1,6 +1,6 @@
 """bge-m3's two extra heads (BAAI/bge-m3, FlagEmbedding's BGE-M3 model), stored beside the checkpoint as
-`sparse_linear.pt` (hidden -> 1: relu of it is a lexical weight per token) and `colbert_linear.pt` (hidden -> D:
-a ColBERT vector per token). Both run in float32 on the encoder's last hidden states.
+`sparse_linear.pt` (hidden -> 1: relu of it is a lexical weight per token) and `colbert_linear.pt` (hidden ->
+hidden: a ColBERT vector per token). Both run in float32 on the encoder's last hidden states.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")
 
 
 class M3Heads(nn.Module):
-    """Hidden states (T, H) in; a weight per token (T,) from `weights`, a vector per token (T, D) from `vectors`."""
+    """Hidden states (T, H) in; a weight per token (T,) from `weights`, a vector per token (T, H) from `vectors`."""
 
-    def __init__(self, hidden: int, colbert_dim: int) -> None:
+    def __init__(self, hidden: int) -> None:
         super().__init__()
         self.sparse_linear = nn.Linear(hidden, 1)
-        self.colbert_linear = nn.Linear(hidden, colbert_dim)
+        self.colbert_linear = nn.Linear(hidden, hidden)  # bge-m3's (and vLLM's): as wide as the encoder
 
     def weights(self, states: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.sparse_linear(states.float())).squeeze(-1)  # (T,)
 
     def vectors(self, states: torch.Tensor) -> torch.Tensor:
-        return self.colbert_linear(states.float())  # (T, D)
+        return self.colbert_linear(states.float())  # (T, H)
 
     @staticmethod
     def present(path: Path) -> bool:
@@ -39,7 +39,7 @@ class M3Heads(nn.Module):
     def load(cls, path: Path, hidden: int) -> M3Heads:
         """The heads in model directory `path`, for an encoder of width `hidden`."""
         sparse, colbert = (_read(path / name) for name in HEAD_FILES)
-        heads = cls(hidden, colbert["weight"].shape[0])
+        heads = cls(hidden)
         try:
             heads.sparse_linear.load_state_dict(sparse)
             heads.colbert_linear.load_state_dict(colbert)
@@ -55,6 +55,8 @@ def _read(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file} is missing: bge-m3's heads need {' and '.join(HEAD_FILES)}") from None
     except Exception as e:  # torch raises a bare pickle/runtime error on a corrupt or non-tensor file
         raise CheckpointError(f"cannot read {file}: {e}") from None
-    if not isinstance(state, dict) or "weight" not in state:
+    state = {k.removeprefix("module."): v for k, v in state.items()} if isinstance(state, dict) else {}
+    tensors = all(isinstance(v, torch.Tensor) for v in state.values())
+    if not tensors or not isinstance(state.get("weight"), torch.Tensor):
         raise CheckpointError(f"{file} holds no linear layer's weight")
-    return {k.removeprefix("module."): v.float() for k, v in state.items()}
+    return {k: v.float() for k, v in state.items()}
