@@ -134,6 +134,8 @@ def main() -> None:
             "ember_p99_ms": [x.p99_ms for x in e],
             "peer_p99_ms": [x.p99_ms for x in p],
             "ratios": ratios,
+            "ember_retries": [x.retries for x in e],  # requests sent again after a 429 (admission control)
+            "peer_retries": [x.retries for x in p],
         }
         rows.append(row)
         print(

@@ -68,6 +68,8 @@ class Result:
     requests: int
     p50_ms: float
     p99_ms: float
+    retries: int = 0
+    """Requests sent again after a 429/503 (admission control), as the OpenAI SDK and `ember embed --url` do."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,7 +77,8 @@ class Result:
 
 
 async def run_workload(url: str, model: str, w: Workload, api_key: str | None = None, round: int = 0) -> Result:
-    """Send the workload with `w.concurrency` requests in flight; usage gives the exact tokens."""
+    """Send the workload with `w.concurrency` requests in flight; usage gives the exact tokens. A request turned
+    away (429, 503) is sent again after its Retry-After, as clients do; its latency runs from its first send."""
     import httpx
 
     texts = w.texts(round)
@@ -87,12 +90,18 @@ async def run_workload(url: str, model: str, w: Workload, api_key: str | None = 
     tokens = 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
+    retries = 0
+
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal tokens
+        nonlocal tokens, retries
         while not queue.empty():
             batch = queue.get_nowait()
             start = time.perf_counter()
             r = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": batch}, headers=headers)
+            while r.status_code in (429, 503):
+                retries += 1
+                await asyncio.sleep(min(30.0, float(r.headers.get("retry-after") or 1)))
+                r = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": batch}, headers=headers)
             r.raise_for_status()
             latencies.append(time.perf_counter() - start)
             tokens += r.json()["usage"]["prompt_tokens"]
@@ -102,7 +111,7 @@ async def run_workload(url: str, model: str, w: Workload, api_key: str | None = 
         await asyncio.gather(*(client(http) for _ in range(w.concurrency)))
         seconds = time.perf_counter() - start
     qs = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
-    return Result(w.name, tokens, seconds, len(latencies), qs[49] * 1000, qs[98] * 1000)
+    return Result(w.name, tokens, seconds, len(latencies), qs[49] * 1000, qs[98] * 1000, retries)
 
 
 def add_parser(sub: Any) -> None:
