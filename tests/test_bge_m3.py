@@ -81,6 +81,41 @@ def test_an_input_alone_equals_the_same_input_in_a_batch(embedder):
         np.testing.assert_allclose(embedder.embed_tokens([text]).vectors[0], vecs[i], atol=1e-5)
 
 
+@pytest.mark.parametrize("overlap", [0, 8])
+def test_a_long_input_in_chunks_gives_each_token_one_weight(m3_dir, overlap):
+    """With chunked processing a document longer than the model gets sparse weights too: each window's tokens
+    (specials out, the overlap taken from the earlier window) end to end, and lexical weights merged over them."""
+    from fastapi.testclient import TestClient
+
+    from ember.api.app import create_app
+    from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig
+    from ember.engine.build import build_engine, load
+
+    pooler = PoolerConfig(enable_chunked_processing=True, chunk_overlap=overlap)
+    loaded = load(ModelConfig(str(m3_dir), dtype="float32", max_model_len=32, pooler=pooler))
+    app = create_app(build_engine(loaded, EngineConfig()), ServerConfig(served_model_names=("bge-m3",)))
+    text = " ".join(SENTENCES[:12])
+    ids = loaded.tokenizer.encode(text)
+    content, step = ids[1:-1], 30 - overlap
+    windows = [ids[:1] + content[i : i + 30] + ids[-1:] for i in range(0, len(content) - overlap, step)]
+    assert len(windows) > 3
+    refs = reference(m3_dir, windows)
+    with TestClient(app) as client:
+        r = client.post("/pooling", json={"input": text, "task": "token_classify"})
+        pairs = client.post("/embed_sparse", json={"inputs": text}).json()[0]
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    want = np.concatenate([ref["per_token"][overlap if j else 0 :] for j, ref in enumerate(refs)])
+    assert len(item["data"]) == len(content)  # a weight per content token, each once
+    np.testing.assert_allclose(item["data"], want, atol=1e-5)
+    merged: dict[int, float] = {}  # FlagEmbedding's merge over `data`: each token id's largest weight
+    for k, w in zip(content, want, strict=True):
+        if k not in (0, 1, 2, 3) and w > 0:
+            merged[k] = max(float(w), merged.get(k, 0.0))
+    assert [e["token_id"] for e in item["sparse_embedding"]] == [p["index"] for p in pairs] == sorted(merged)
+    np.testing.assert_allclose([p["value"] for p in pairs], [merged[k] for k in sorted(merged)], rtol=1e-4)
+
+
 def test_bf16_stays_close_to_the_float32_reference(m3_dir):
     bf16 = Embedder(str(m3_dir), dtype="bfloat16", enforce_eager=True)
     ids = [bf16.tokenizer.encode(t) for t in TEXTS]

@@ -12,7 +12,15 @@ import numpy as np
 
 from ember.types import Specials
 
-__all__ = ["embed_windows", "embedding_head", "split_windows", "token_head", "truncate", "weighted_mean"]
+__all__ = [
+    "embed_windows",
+    "embedding_head",
+    "split_windows",
+    "token_head",
+    "truncate",
+    "weighted_mean",
+    "window_overlap",
+]
 
 
 def truncate(ids: list[int], keep: int, side: str, specials: Specials) -> list[int]:
@@ -33,7 +41,7 @@ def split_windows(ids: list[int], max_len: int, specials: Specials, overlap: int
     room = max_len - len(specials) if wrapped else max_len
     if room < 1:
         raise ValueError(f"max_len {max_len} leaves no room for content next to {len(specials)} special tokens")
-    overlap = min(max(overlap, 0), room // 2)
+    overlap = window_overlap(max_len, specials, overlap, wrapped)
     step = room - overlap
     windows = []
     for start in range(0, len(content), step):
@@ -42,6 +50,13 @@ def split_windows(ids: list[int], max_len: int, specials: Specials, overlap: int
         if start + room >= len(content):
             break
     return windows
+
+
+def window_overlap(max_len: int, specials: Specials, overlap: int, wrapped: bool) -> int:
+    """The content tokens each window of split_windows repeats from the one before it: the asked overlap, at most
+    half a window's content."""
+    room = max_len - len(specials) if wrapped else max_len
+    return min(max(overlap, 0), room // 2)
 
 
 def embedding_head(x: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from ember.config import PoolerConfig
-from ember.engine.chunking import Specials, embed_windows, split_windows, token_head, truncate
+from ember.engine.chunking import Specials, embed_windows, split_windows, token_head, truncate, window_overlap
 from ember.engine.lexical import TokenWeights
 from ember.errors import ConfigError, InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
@@ -252,7 +252,8 @@ class Preprocessor:
         """Tokenise (texts) or check (token ids), then fit each input to the model's length."""
         seqs = tokenize(self.tokenizer, prepared.items, prepared.prompt, params.add_special_tokens)
         specials, max_len = self.tokenizer.special_tokens, self.info.max_model_len
-        chunked = self.pooler.enable_chunked_processing and params.output == "embed"
+        # a weight per token merges across windows (each token once); token vectors are given per window only
+        chunked = self.pooler.enable_chunked_processing and params.output != "token_embed"
         pooler = replace(self.pooler, enable_chunked_processing=chunked)
         return [
             fit_length(ids, max_len, specials, truncate_to=params.truncate_prompt_tokens, side=params.truncation_side,
@@ -273,22 +274,26 @@ class Preprocessor:
                               prepared.normalize, merge)
                 for i, ws in enumerate(windows)
             ]  # fmt: skip
-        out: list[Any] = []
-        for i, ws in enumerate(windows):
-            ids, rows = np.asarray(ws[0], dtype=np.int64), pooled[(i, 0)]
-            if self.info.token_heads:  # as vLLM serves bge-m3: no first token, and no last one for weights
-                keep = _without_specials(ws[0], self.tokenizer.special_tokens, prepared.output == "token_classify")
-                ids, rows = ids[keep], rows[keep]
-            if prepared.output == "token_embed":
-                out.append(token_head(rows, prepared.dimensions, prepared.normalize))
-            else:
-                out.append(TokenWeights(ids, np.asarray(rows, dtype=np.float32)))
-        return out
+        if prepared.output == "token_embed":
+            return [token_head(self._token_rows(ws[0], pooled[(i, 0)], False)[1], prepared.dimensions,
+                               prepared.normalize) for i, ws in enumerate(windows)]  # fmt: skip
+        return [self._token_weights(ws, [pooled[(i, j)] for j in range(len(ws))]) for i, ws in enumerate(windows)]
 
+    def _token_rows(self, ids: list[int], rows: np.ndarray, last_too: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A window's token ids and output rows; as vLLM serves bge-m3, without its first token (BOS), and with
+        `last_too` its last (EOS), where the window has them."""
+        specials = self.tokenizer.special_tokens
+        start = 1 if self.info.token_heads and specials.prefix and ids[:1] == list(specials.prefix[:1]) else 0
+        last = last_too and self.info.token_heads and specials.suffix and ids[-1:] == list(specials.suffix[-1:])
+        end = max(start, len(ids) - 1 if last else len(ids))
+        return np.asarray(ids[start:end], dtype=np.int64), np.asarray(rows[start:end], dtype=np.float32)
 
-def _without_specials(ids: list[int], specials: Specials, last_too: bool) -> slice:
-    """The rows of a window without its leading special token (BOS, [CLS]), and with `last_too` its trailing one
-    (EOS, [SEP]), where the window has them."""
-    start = 1 if specials.prefix and ids[:1] == list(specials.prefix[:1]) else 0
-    end = len(ids) - 1 if last_too and specials.suffix and ids[-1:] == list(specials.suffix[-1:]) else len(ids)
-    return slice(start, max(start, end))
+    def _token_weights(self, windows: list[list[int]], rows: list[np.ndarray]) -> TokenWeights:
+        """One input's weight per token from its windows' rows: each content token once, windows after the first
+        without the tokens they repeat from the one before (chunk_overlap)."""
+        parts = [self._token_rows(w, r, True) for w, r in zip(windows, rows, strict=True)]
+        if len(parts) > 1:
+            specials, wrapped = self.tokenizer.special_tokens, self.tokenizer.special_tokens.unwrap(windows[0])[1]
+            shared = window_overlap(self.info.max_model_len, specials, self.pooler.chunk_overlap, wrapped)
+            parts = [parts[0], *((ids[shared:], w[shared:]) for ids, w in parts[1:])]
+        return TokenWeights(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
