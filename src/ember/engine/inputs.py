@@ -189,8 +189,8 @@ class EmbedParams:
     output: Output = "embed"
     """What each input gives (vLLM's pooling task): its pooled vector; token_embed, a vector per token (the last
     hidden states through the model's Dense modules, or bge-m3's ColBERT head, then `dimensions` and normalisation
-    each); token_classify, a weight per token (bge-m3's sparse head). Inputs are never chunked for the token
-    outputs."""
+    each); token_classify, a weight per token (bge-m3's sparse head). token_embed inputs are never chunked;
+    token_classify ones are, when chunked processing is on, each token's weight taken once."""
 
 
 class Prepared(NamedTuple):
