@@ -26,6 +26,7 @@ from ember.config import (
 from ember.engine.build import Loaded, load
 from ember.engine.cpu import set_threads
 from ember.engine.inputs import EmbedParams, Preprocessor
+from ember.engine.lexical import lexical, sparse_output
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, batch_inputs
 from ember.errors import InputError
@@ -188,13 +189,10 @@ class Embedder(_Offline):
         vocabulary entry, or bge-m3's sparse head as FlagEmbedding gives them (each distinct token's largest
         weight, special tokens left out)."""
         self._check_embeds()
-        splade = self.info.splade_strategy is not None
         params = EmbedParams(None, None, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
-                             output="embed" if splade else "token_classify")  # fmt: skip
+                             output=sparse_output(self.info) or "token_classify")  # fmt: skip
         vectors, _ = self._vectors(inputs, params)
-        if splade:
-            return [{int(i): float(v[i]) for i in np.flatnonzero(v)} for v in vectors]
-        pairs = [w.lexical(self.tokenizer.special_ids) for w in vectors]
+        pairs = (lexical(v, self.tokenizer.special_ids) for v in vectors)
         return [dict(zip(ids.tolist(), weights.tolist(), strict=True)) for ids, weights in pairs]
 
 

@@ -19,8 +19,8 @@ from ember.api.routes import (
     vectors_response,
 )
 from ember.api.schemas import REMOVED_TASKS, PoolingRequest, PoolingResponse, PoolingTask
-from ember.api.sparse import lexical, sparse_output, token_entries
-from ember.engine.lexical import TokenWeights
+from ember.api.sparse import token_entries, top_lexical
+from ember.engine.lexical import TokenWeights, sparse_output
 from ember.errors import InputError
 from ember.types import ModelInfo, Output
 
@@ -81,7 +81,7 @@ async def _sparse_weights(request: Request, body: PoolingRequest) -> Response:
         item: dict[str, Any] = {"index": i, "object": "pooling"}
         if isinstance(answer, TokenWeights):
             item["data"] = answer.weights.tolist()
-        ids, weights = lexical(answer, tokenizer, body.top_k)
+        ids, weights = top_lexical(answer, tokenizer, body.top_k)
         item["sparse_embedding"] = token_entries(ids, weights, tokenizer, bool(body.return_tokens))
         data.append(item)
     return JSONBytes(envelope(ctx, request, "pool", data, tokens))

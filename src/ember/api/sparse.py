@@ -19,12 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember.api.responses import JSONBytes
 from ember.api.routes import check_count, context, engine_call, require_api_key
 from ember.engine.engine import EmbedParams
-from ember.engine.lexical import TokenWeights
+from ember.engine.lexical import lexical, sparse_output
 from ember.errors import InputError
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo
 
-__all__ = ["EmbedSparseRequest", "lexical", "sparse", "sparse_output", "token_entries"]
+__all__ = ["EmbedSparseRequest", "sparse", "token_entries", "top_lexical"]
 
 sparse = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -42,23 +41,10 @@ class EmbedSparseRequest(BaseModel):
     model: str | None = None
 
 
-def sparse_output(info: ModelInfo) -> Literal["embed", "token_classify"] | None:
-    """What the engine computes for an input's sparse weights: a SPLADE model's pooled vocabulary vector, bge-m3's
-    weight per token; None for a model that has no sparse weights."""
-    if info.splade_strategy is not None:
-        return "embed"
-    return "token_classify" if info.token_heads else None
-
-
-def lexical(answer: Any, tokenizer: Tokenizer, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """An input's sparse weights from the engine's answer (a SPLADE vocabulary vector or bge-m3's TokenWeights):
-    (token ids ascending, weights), the top_k largest when given."""
-    if isinstance(answer, TokenWeights):
-        ids, weights = answer.lexical(tokenizer.special_ids)
-    else:
-        vector = np.asarray(answer)
-        ids = np.flatnonzero(vector)
-        weights = vector[ids]
+def top_lexical(answer: Any, tokenizer: Tokenizer, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """An input's sparse weights (ember.engine.lexical.lexical, special tokens left out): (token ids ascending,
+    weights), the top_k largest when given."""
+    ids, weights = lexical(answer, tokenizer.special_ids)
     if top_k is not None and len(ids) > top_k:
         keep = np.sort(np.argsort(-weights, kind="stable")[:top_k])
         ids, weights = ids[keep], weights[keep]
@@ -94,5 +80,5 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     _, result, _ = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(texts, params, timeout=timeout)
     )
-    pairs = (lexical(v, engine.tokenizer, body.top_k) for v in result.vectors)
+    pairs = (top_lexical(v, engine.tokenizer, body.top_k) for v in result.vectors)
     return JSONBytes([[{"index": int(i), "value": float(w)} for i, w in zip(*p, strict=True)] for p in pairs])

@@ -4,10 +4,13 @@ distinct token id, the largest weight it got anywhere in the input; special toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["TokenWeights"]
+from ember.types import ModelInfo
+
+__all__ = ["TokenWeights", "lexical", "sparse_output"]
 
 
 @dataclass(frozen=True)
@@ -29,3 +32,21 @@ class TokenWeights:
         first = np.ones(len(ids), dtype=bool)
         first[1:] = ids[1:] != ids[:-1]
         return ids[first], weights[first]
+
+
+def sparse_output(info: ModelInfo) -> Literal["embed", "token_classify"] | None:
+    """What the engine computes for an input's sparse weights: a SPLADE model's pooled vocabulary vector, bge-m3's
+    weight per token; None for a model that has no sparse weights."""
+    if info.splade_strategy is not None:
+        return "embed"
+    return "token_classify" if info.token_heads else None
+
+
+def lexical(answer: Any, skip: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
+    """An input's sparse weights from the engine's answer for `sparse_output` (a SPLADE vocabulary vector, or
+    bge-m3's TokenWeights merged leaving out the ids in `skip`): (token ids ascending, weights)."""
+    if isinstance(answer, TokenWeights):
+        return answer.lexical(skip)
+    vector = np.asarray(answer)
+    ids = np.flatnonzero(vector)
+    return ids, vector[ids]

@@ -51,9 +51,10 @@ class TorchRunner:
     def embed(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
-        per_token = outputs is not None and any(o != "embed" for o in outputs)
+        if outputs is not None and all(o == "embed" for o in outputs):
+            outputs = None  # every row wants its pooled vector
         plan = None
-        if self.share_prefixes and not per_token:
+        if self.share_prefixes and outputs is None:
             plan = share_prefixes(batch)  # sequences continuing a prefix held once in the batch, or None
         seqs = batch if plan is None else plan.segments
         seqlens = [len(ids) for ids in seqs]
@@ -80,7 +81,7 @@ class TorchRunner:
             return logits.float().numpy()
         for dense in self.dense:
             pooled = dense(pooled)
-        if outputs is None or not per_token:
+        if outputs is None:
             return pooled.numpy()
         return self._token_outputs(hidden[:total], seqlens, outputs, pooled.numpy())
 
