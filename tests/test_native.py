@@ -1,4 +1,5 @@
-"""ember's native attention kernel (ops/csrc/attention.cpp) against float32 attention on the same inputs."""
+"""ember's native attention kernel (ops/csrc/attention.cpp), float32 and bf16, against float64 attention on the same
+inputs."""
 
 from __future__ import annotations
 
@@ -10,20 +11,33 @@ import torch.nn.functional as F
 
 import ember.ops.native as native
 from ember.cli.runtime import native_config
-from ember.config import NativeConfig
 from ember.ops import attention
 from ember.ops.attention import varlen_attention
 
 
 @pytest.fixture(scope="module")
 def kernel() -> ctypes.CDLL:
-    native.build_kernels(NativeConfig())
+    native.build_kernels(native_config())  # EMBER_CACHE_DIR as the server reads it
     lib = native.attention_kernel()
     if lib is None:
         pytest.skip(
-            "the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AVX-512 BF16)"
+            "the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AVX2 + FMA)"
         )
     return lib
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _runs(dtype: torch.dtype) -> None:
+    if dtype not in native.native_attention_dtypes():
+        pytest.skip(f"this build of the kernel has no {dtype} (bf16 needs AVX-512 BF16)")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Within a rounding of the dtype: bf16 keeps 8 bits (0.4% a rounding), float32 24."""
+    tol = 0.01 if dtype == torch.bfloat16 else 1e-4
+    return bool(((got.double() - want).abs() <= tol + tol * want.abs()).all())
 
 
 def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool):
@@ -32,21 +46,23 @@ def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool) -> torch.Tensor:
-    """Float32 attention per sequence on the same bf16 values: (T, Hq, D) float32."""
+    """Float64 attention per sequence on the same values: (T, Hq, D) float64."""
     group = q.shape[1] // k.shape[1]
     outs, start = [], 0
     for n in seqlens:
-        qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        qs, ks, vs = (t[start : start + n].double().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
 
-def _packed(seqlens: list[int], hq: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _packed(
+    seqlens: list[int], hq: int, hkv: int, d: int, seed: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, ...]:
     """q, k, v as views into one (T, Hq + 2 Hkv, D) projection, as Qwen3 lays them out."""
     g = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(sum(seqlens), hq + 2 * hkv, d, generator=g) * 2).to(torch.bfloat16)
+    qkv = (torch.randn(sum(seqlens), hq + 2 * hkv, d, generator=g) * 2).to(dtype)
     return qkv.split((hq, hkv, hkv), dim=1)
 
 
@@ -63,52 +79,74 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(("heads", "seqlens"), CASES)
-def test_matches_float32_attention(
-    kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], causal: bool
+def test_matches_float64_attention(
+    kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], causal: bool, dtype: torch.dtype
 ) -> None:
-    q, k, v = _packed(seqlens, *heads, seed=len(seqlens))
-    got = _native(kernel, q, k, v, seqlens, causal).float()
+    _runs(dtype)
+    q, k, v = _packed(seqlens, *heads, seed=len(seqlens), dtype=dtype)
+    got = _native(kernel, q, k, v, seqlens, causal)
+    assert got.dtype == dtype
     want = _reference(q, k, v, seqlens, causal)
-    assert ((got - want).abs() <= 0.01 + 0.01 * want.abs()).all()  # bf16 keeps 8 bits: 0.4% per rounding
-    cos = F.cosine_similarity(got.flatten(1), want.flatten(1))
-    assert cos.min().item() > 0.9999
+    assert _close(got, want, dtype)
+    cos = F.cosine_similarity(got.double().flatten(1), want.flatten(1))
+    assert cos.min().item() > (0.9999 if dtype == torch.bfloat16 else 0.9999999)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_late_key_far_above_the_earlier_ones(kernel: ctypes.CDLL, causal: bool) -> None:
+def test_a_late_key_far_above_the_earlier_ones(kernel: ctypes.CDLL, causal: bool, dtype: torch.dtype) -> None:
     """Rows whose later key blocks score far above their first (the softmax's reference is raised, and a
-    one-pass block is redone): still float32 attention's result."""
-    q, k, v = _packed([700], 16, 8, 128, seed=3)
+    one-pass block is redone): still float64 attention's result."""
+    _runs(dtype)
+    q, k, v = _packed([700], 16, 8, 128, seed=3, dtype=dtype)
     k[600:610] *= 6  # scores of keys 600-609 reach ~6x the others'
-    got = _native(kernel, q, k, v, [700], causal).float()
-    want = _reference(q, k, v, [700], causal)
-    assert ((got - want).abs() <= 0.01 + 0.01 * want.abs()).all()
+    got = _native(kernel, q, k, v, [700], causal)
+    assert _close(got, _reference(q, k, v, [700], causal), dtype)
 
 
-def test_causal_and_bidirectional_differ(kernel: ctypes.CDLL) -> None:
-    q, k, v = _packed([200], 4, 4, 64, seed=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_and_bidirectional_differ(kernel: ctypes.CDLL, dtype: torch.dtype) -> None:
+    _runs(dtype)
+    q, k, v = _packed([200], 4, 4, 64, seed=1, dtype=dtype)
     causal = _native(kernel, q, k, v, [200], True)
     both = _native(kernel, q, k, v, [200], False)
     assert torch.allclose(causal[-1].float(), both[-1].float(), atol=0.03)  # the last token sees every key
     assert not torch.allclose(causal[:100].float(), both[:100].float(), atol=0.1)  # early tokens see fewer keys
 
 
-def test_a_sequence_alone_equals_it_inside_a_batch(kernel: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sequence_alone_equals_it_inside_a_batch(kernel: ctypes.CDLL, dtype: torch.dtype) -> None:
+    _runs(dtype)
     seqlens = [300, 150, 77]
-    q, k, v = _packed(seqlens, 16, 8, 128, seed=5)
+    q, k, v = _packed(seqlens, 16, 8, 128, seed=5, dtype=dtype)
     batch = _native(kernel, q, k, v, seqlens, True)
     alone = _native(kernel, q[300:450], k[300:450], v[300:450], [150], True)
     assert torch.equal(batch[300:450], alone)
 
 
-def test_varlen_attention_uses_it_for_bf16(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_attention_uses_it(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    _runs(dtype)
     monkeypatch.setitem(native._loaded, "attention", kernel)
     for seqlens in ([150, 30], [20, 9]):
-        q, k, v = _packed(seqlens, 16, 8, 128, seed=2)
+        q, k, v = _packed(seqlens, 16, 8, 128, seed=2, dtype=dtype)
         assert torch.equal(varlen_attention(q, k, v, seqlens, causal=True), _native(kernel, q, k, v, seqlens, True))
-    assert not attention._native_fits(*(t.float() for t in (q, k, v)))  # float32: SDPA
+    assert not attention._native_fits(*(t.half() for t in (q, k, v)))  # float16: SDPA
+    assert not attention._native_fits(q[..., :48], k[..., :48], v[..., :48])  # a head size it does not take: SDPA
+
+
+def test_the_build_says_which_dtypes_it_computes(kernel: ctypes.CDLL) -> None:
+    kernel.ember_attention_isa.restype = ctypes.c_char_p
+    isa = kernel.ember_attention_isa().decode()
+    bf16 = {torch.float32, torch.bfloat16}
+    assert native.native_attention_dtypes() == (bf16 if isa in ("amx", "avx512_bf16") else {torch.float32})
+    if isa == "avx2":
+        q, k, v = _packed([10], 2, 2, 32, seed=1)
+        with pytest.raises(RuntimeError, match="this build has no bf16"):
+            _native(kernel, q, k, v, [10], True)
 
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +159,7 @@ def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_attention_is_varlen_attention_on_the_projection(dtype: torch.dtype) -> None:
     """The op a compiled layer calls: the same result from the packed projection and offsets, on the native
-    kernel (bf16, where it runs) and on SDPA (float32)."""
+    kernel where it runs (either dtype) and on SDPA elsewhere."""
     seqlens = [21, 5, 40, 1]
     g = torch.Generator().manual_seed(7)
     qkv = torch.randn(sum(seqlens), 16 + 2 * 8, 128, generator=g).to(dtype)

@@ -112,6 +112,34 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
     assert sorted(p.name for p in cache.glob("*.so")) == libraries  # nothing else was built
 
 
+def test_the_avx2_tier_prebuilds_attention_alone_and_an_avx2_cpu_loads_it(tmp_path, compiler):
+    """`ember build-kernels --tier avx2` builds the float32 attention kernel (the one kernel an AVX2-only Xeon runs);
+    a process capped to AVX2, with no compiler, loads it from there."""
+    from ember.hardware import cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run the AVX2 build")
+    cache = tmp_path / "baked"
+    done = subprocess.run([sys.executable, "-m", "ember.cli.main", "build-kernels", "--cache-dir", str(cache),
+                           "--tier", "avx2"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [p.name.split("-")[:2] for p in cache.glob("*.so")] == [["ember_attention", "avx2"]]
+    probe = (
+        "from ember.cli.runtime import native_config, prepare_process; prepare_process(None, None); "
+        "from ember.ops import native; import torch; "
+        "print([(k.name, k.active, k.detail) for k in native.build_kernels(native_config())]); "
+        "print(sorted(str(d) for d in native.native_attention_dtypes()))"
+    )
+    no_compiler = {"PATH": str(Path(sys.executable).parent), "CXX": "", "EMBER_CACHE_DIR": str(cache),
+                   "EMBER_MAX_ISA": "avx2", "HOME": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=no_compiler)
+    assert done.returncode == 0, done.stderr
+    report, dtypes = done.stdout.splitlines()[-2:]
+    assert f"('attention', True, 'AVX2, prebuilt, loaded from {cache}" in report
+    assert "('int8_gemm', False, \"this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512_vnni" in report
+    assert dtypes == "['torch.float32']"
+
+
 def test_with_no_compiler_and_nothing_prebuilt_the_log_says_how_to_get_them(tmp_path, monkeypatch):
     from ember.config import NativeConfig
     from ember.hardware import cpu_flags, isa_tier

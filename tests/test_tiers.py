@@ -78,9 +78,23 @@ def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypat
     hardware.limit_isa("avx2")
     monkeypatch.setattr(native, "_tried", {})
     monkeypatch.setattr(native, "_loaded", {})
+    report = {k.name: k for k in native.build_kernels(native.NativeConfig(attention=False))}
+    assert not any(k.active for k in report.values())
+    # attention runs from AVX2 up (float32): built in the avx2 suite below
+    assert report["attention"].detail == "disabled by EMBER_NATIVE_ATTENTION=0; torch's SDPA instead"
+    assert report["int8_gemm"].detail.startswith("this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512_vnni")
+    assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["elementwise"].detail
+
+
+def test_below_avx2_no_kernel_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An x86-64 CPU without AVX2 and FMA (x86-64-v2) runs torch's own ops, saying so."""
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    monkeypatch.setattr(native, "native_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    monkeypatch.setattr(native, "_tried", {})
+    monkeypatch.setattr(native, "_loaded", {})
     report = {k.name: k for k in native.build_kernels(native.NativeConfig())}
     assert not any(k.active for k in report.values())
-    assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["attention"].detail
+    assert report["attention"].detail == "this CPU lacks avx2 fma; torch's SDPA instead"
 
 
 def _suite(tier: str, *tests: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -107,12 +121,16 @@ def test_the_avx512_kernels_on_an_amx_cpu(tmp_path: Path) -> None:
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),
                     reason="the CPU is AVX2 already: the plain run checks this tier")  # fmt: skip
 def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
-    """As an AVX2-only Xeon: no native kernels, float32 by default, torch's AVX2 kernels; the models still
-    match transformers / sentence-transformers and a text alone equals it inside a batch."""
-    done = _suite("avx2", "tests/test_models.py", "tests/test_minilm_real.py", tmp_path=tmp_path)
+    """As an AVX2-only Xeon: float32 by default, torch's AVX2 kernels, and of ember's kernels only attention (its
+    float32 build, checked against float32 attention); the models still match transformers / sentence-transformers
+    and a text alone equals it inside a batch."""
+    tests = ("tests/test_native.py", "tests/test_models.py", "tests/test_minilm_real.py")
+    done = _suite("avx2", *tests, tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # no kernel was built
+    assert "native attention kernel cannot run" not in done.stdout  # its float32 tests ran
+    built = {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so")}
+    assert built == {"ember_attention"}
 
 
 def test_on_arm_every_native_kernel_declines_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -247,7 +247,7 @@ class NativeConfig:
     off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE = 0, read by the CLI)."""
 
     attention: bool = True
-    """Flash attention over packed sequences, bf16 (AMX, else AVX-512 BF16)."""
+    """Flash attention over packed sequences: float32 (AVX2 + FMA up), bf16 (AMX, else AVX-512 BF16)."""
     int8_gemm: bool = True
     """The int8 layers' matrix product with SwiGLU in its epilogue (AMX, else AVX-512 VNNI)."""
     elementwise: bool = True

@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
         "--cache-dir", default=None, help="where to put them (default: EMBER_CACHE_DIR, else ~/.cache/ember)"
     )
     p.add_argument(
-        "--tier", action="append", default=None, choices=["amx", "avx512_bf16"],
-        help="a CPU tier to build for; repeat for several (default: both)",
+        "--tier", action="append", default=None, choices=["amx", "avx512_bf16", "avx2"],
+        help="a CPU tier to build for; repeat for several (default: all three; avx2 builds attention only)",
     )  # fmt: skip
     p.set_defaults(run=run)
 

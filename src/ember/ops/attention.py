@@ -1,10 +1,11 @@
 """Attention over packed variable-length sequences: ember's native kernel where built, else SDPA.
 
-In bf16 on a CPU with AMX or AVX-512 BF16, once ember.ops.native has built it, every sequence of a batch goes
-through one call of the native flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place
-and writes the packed output; its blocks (query rows x keys) are 32 x 32 for batches of short sequences
-(queries), 32 x 64 and 32 x 128 for longer ones, 64 x 256 from ~6,000 tokens. The rest of this module is
-the SDPA path, used everywhere else:
+Once ember.ops.native has built it, every sequence of a batch goes through one call of the native
+flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place and writes the packed output:
+float32 on every x86-64 CPU from AVX2 up (FMA register blocks), bf16 where the CPU has AVX-512 BF16 or AMX. Its
+blocks (query rows x keys) are 32 x 32 for batches of short sequences (queries), 32 x 64 and 32 x 128 for longer
+ones, 64 x 256 from ~6,000 tokens. The rest of this module is the SDPA path, used everywhere else (ARM, bf16 on
+an AVX2 CPU, head sizes the kernel does not take, a kernel switched off or not yet built):
 
 Sequences are laid end to end (T = sum of lengths). Attention runs per group of
 similar-length sequences, padded only within the group, so no full T x T score matrix
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.ops.native import attention_kernel
+from ember.ops.native import attention_kernel, native_attention_dtypes
 
 __all__ = ["group_by_length", "packed_attention", "seq_offsets", "varlen_attention"]
 
@@ -44,7 +45,8 @@ _ALIGN, _ALIGN_FROM = 16, 64
 def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (
-        q.dtype == k.dtype == v.dtype == torch.bfloat16
+        q.dtype == k.dtype == v.dtype
+        and q.dtype in native_attention_dtypes()
         and d % 32 == 0
         and d <= 256
         and q.shape[1] % k.shape[1] == 0

@@ -1,6 +1,7 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
-- attention.cpp: flash attention over packed sequences, bf16, on AMX or AVX-512 BF16 (ember.ops.attention);
+- attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up, and bf16
+  on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
@@ -11,8 +12,9 @@ through the dispatcher without Python.
 Two ways to get them, tried in this order:
 
 - Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
-  CPU tier (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI), keyed by the
-  sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as capped
+  CPU tier it runs on (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI;
+  `avx2`: x86-64-v3, attention only), keyed by the sources and torch's version and C++ ABI, not by the building
+  machine. At start, the best tier this CPU (as capped
   by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets every CPU
   of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike.
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps), about 20 s for the
@@ -46,7 +48,15 @@ from ember.config import NativeConfig
 from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags
 from ember.types import KernelStatus
 
-__all__ = ["PREBUILT_TIERS", "attention_kernel", "build_kernels", "elementwise_kernel", "int8_gemm_kernel", "prebuild"]
+__all__ = [
+    "PREBUILT_TIERS",
+    "attention_kernel",
+    "build_kernels",
+    "elementwise_kernel",
+    "int8_gemm_kernel",
+    "native_attention_dtypes",
+    "prebuild",
+]
 
 log = logging.getLogger("ember.native")
 
@@ -61,7 +71,7 @@ class _Kernel:
 
 
 _KERNELS = (
-    _Kernel("attention", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch's SDPA"),
+    _Kernel("attention", frozenset({"avx2", "fma"}), "torch's SDPA"),  # bf16 too where built with AVX-512 BF16
     _Kernel("int8_gemm", frozenset({"avx512_vnni", "avx512_bf16", "avx512bw", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
 )
@@ -69,14 +79,21 @@ _KERNELS = (
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 _tried: dict[str, KernelStatus] = {}
+_attention_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 _V4 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"]
 PREBUILT_TIERS: dict[str, list[str]] = {
     "amx": [*_V4, "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
     "avx512_bf16": _V4,
+    "avx2": ["-march=x86-64-v3", "-mtune=generic"],
 }
 """The CPU tiers `ember build-kernels` builds for, best first, and each one's target flags (ember.hardware tiers)."""
+_TIER_FLAGS = {  # what a CPU of each prebuilt tier has, of the flags the kernels need
+    "amx": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile"}),
+    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma"}),
+}
 
 
 def attention_kernel() -> ctypes.CDLL | None:
@@ -87,6 +104,12 @@ def attention_kernel() -> ctypes.CDLL | None:
 def int8_gemm_kernel() -> ctypes.CDLL | None:
     """The int8 matrix-product library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("int8_gemm")
+
+
+def native_attention_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the loaded attention library computes in: float32, and bf16 where it was built for AVX-512 BF16
+    or AMX; none before it is loaded. (Read when loading, not here: compiled regions trace this.)"""
+    return _attention_dtypes if "attention" in _loaded else frozenset()
 
 
 def elementwise_kernel() -> ctypes.CDLL | None:
@@ -106,6 +129,10 @@ def build_kernels(config: NativeConfig) -> list[KernelStatus]:
                 lib, detail = _build(kernel, config)
                 if lib is not None:
                     _loaded[kernel.name] = lib
+                if lib is not None and kernel.name == "attention":
+                    global _attention_dtypes
+                    bf16 = hasattr(lib, "ember_attention")  # built with AVX-512 BF16
+                    _attention_dtypes = frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
                 status = _tried[kernel.name] = KernelStatus(kernel.name, lib is not None, detail)
             elif status is None:
                 switch = NativeConfig.switch(kernel.name)
@@ -185,7 +212,7 @@ def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, st
     """Builds every kernel for each tier into `cache` (ember build-kernels): [(kernel, tier, library)]."""
     built = []
     for tier in tiers:
-        for kernel in _KERNELS:
+        for kernel in (k for k in _KERNELS if k.needs <= _TIER_FLAGS[tier]):
             source = _CSRC / f"{kernel.name}.cpp"
             out = _prebuilt_path(source, cache, tier)
             if _prebuilt(source, cache, tier) is None:
@@ -200,9 +227,8 @@ def _isa(lib: ctypes.CDLL, name: str) -> str:
     if isa is None:
         return ""
     isa.restype = ctypes.c_char_p
-    return {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, "}.get(
-        isa(), f"{isa().decode()}, "
-    )
+    names = {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx2": "AVX2, "}
+    return names.get(isa(), f"{isa().decode()}, ")
 
 
 def _march() -> list[str]:

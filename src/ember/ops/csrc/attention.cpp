@@ -1,19 +1,23 @@
-// Flash attention over packed variable-length sequences, bf16 in and out, for CPUs with AVX-512 BF16.
+// Flash attention over packed variable-length sequences, for every x86-64 tier from AVX2 up: bf16 in and out
+// where the CPU has AVX-512 BF16 (AMX tiles, or `vdpbf16ps` register blocks), float32 in and out everywhere
+// (AVX2 + FMA register blocks; the AVX2-only Xeons' path, where torch's bf16 is not fast).
 //
 // Built at run time by ember.ops.native (g++ -march=native, against the installed torch's headers),
-// loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. The two matrix
-// products per block (`tile_gemm`, the one part that differs by instruction set) are AMX tile loops where
-// the compiler targets AMX, else AVX-512 BF16 register blocks (`vdpbf16ps`, AMD Zen 4/5, Cooper Lake, or
-// an AMX CPU built with AMX off); oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops at
-// these small shapes (64 x 64 x 128). The softmax between them is AVX-512 everywhere.
+// loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. One structure (the work items,
+// the blocks, the online softmax: `attend`, `attend_item`) serves both element types; what differs by instruction
+// set are the inner loops, overloaded on the element type: the two matrix products per block (`tile_gemm`: AMX
+// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; AVX2 FMA register blocks
+// for float32), the softmax of a row, and the packing of keys and values. oneDNN's brgemm micro-kernels measured
+// 2-3x slower than the tile loops at these small shapes (64 x 64 x 128).
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
 //   - causal blocks end at the diagonal (torch computes whole 512-key blocks, so at <= 512 tokens it
 //     does the masked half of the work too);
-//   - exp as 2^x: one FMA into base 2, a degree-3 polynomial and a scalef; the running max is raised
-//     only when a block exceeds it by 2^8, so most blocks skip rescaling the output rows, and a row's
-//     later blocks take one pass over their scores (checking that bound as they go) instead of two;
+//   - exp as 2^x: one FMA into base 2, a polynomial (degree 3 for bf16 probabilities, 5 for float32) and the
+//     exponent; the running max is raised only when a block exceeds it by 2^8, so most blocks skip rescaling the
+//     output rows, and a row's later blocks take one pass over their scores (checking that bound as they go)
+//     instead of two;
 //   - blocks sized to the batch (query rows x keys): 32 x 32 for short sequences (a query of 20 tokens
 //     computes 1/4 of a 64 x 64 block's work), 32 x 64, 32 x 128 (a work item's scores, probabilities and
 //     output rows stay in L1), and 64 x 256 for long ones (each item streams every key block before it,
@@ -32,7 +36,12 @@
 #include <torch/library.h>
 
 #include "vec.h"
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define EMBER_BF16 1
+#else
+#define EMBER_BF16 0
+#endif
+#if EMBER_BF16 && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define EMBER_AMX 1
 #include "amx.h"
 #else
@@ -47,10 +56,11 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
-#error "needs AVX-512 BF16"
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "needs AVX2 and FMA"
 #endif
 
 using ember_vec::bf16;
@@ -66,21 +76,180 @@ struct Item {
 
 // Where A's rows are, 16 at a time: tile t (rows 16 t .. 16 t + 15) starts at row[t], its rows ld[t]
 // elements apart; or all of A at one pointer with one row stride.
+template <typename T>
 struct RowTiles {
-  const bf16* const* row;
+  const T* const* row;
   const int64_t* ld;
-  const bf16* a;
+  const T* a;
   int64_t lda;
-  const bf16* start(int64_t t) const { return row ? row[t] : a + t * 16 * lda; }
+  const T* start(int64_t t) const { return row ? row[t] : a + t * 16 * lda; }
   int64_t stride(int64_t t) const { return row ? ld[t] : lda; }
 };
+
+// ---- float32, AVX2 + FMA ---------------------------------------------------------------------------------------
+
+// R rows x 16 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 16, row stride ldb):
+// 2 R registers of sums; each step broadcasts one of A's columns per row and loads one row of B (two vectors).
+template <int R, bool Accumulate>
+inline void rows_x16(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = Accumulate ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    acc[r][1] = Accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k, b += ldb) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a[r] + k);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
+// C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
+// multiples of 32. Blocks of 6 rows x 16 columns (12 registers of sums: 12 FMAs for 8 loads a step), the last 2 of
+// each 32 rows as a block of 2. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them.
+template <bool Accumulate>
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
+               int64_t ldc) {
+  for (int64_t i = 0; i < M; i += 32) {
+    const float* row[32];
+    for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
+    for (int64_t j = 0; j < N; j += 16) {
+      for (int r = 0; r < 30; r += 6) rows_x16<6, Accumulate>(row + r, B + j, K, ldb, C + (i + r) * ldc + j, ldc);
+      rows_x16<2, Accumulate>(row + 30, B + j, K, ldb, C + (i + 30) * ldc + j, ldc);
+    }
+  }
+}
+
+// 8 scores from s + j, those from `keep` on as -inf (masked in the registers, not written into the row).
+inline __m256 load_scores8(const float* s, int64_t j, int64_t keep) {
+  const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int32_t(j)));
+  const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(keep)), at);
+  return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), _mm256_loadu_ps(s + j),
+                          _mm256_castsi256_ps(in));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// softmax_row below, in float32 and 8 lanes: the same lazy reference and one-pass blocks, 2^x of degree 5
+// (~3e-6, float32 attention's accuracy); the row's partial sums are sum[0..7] (sum[8..15] stay 0).
+inline float softmax_row(const float* s, int64_t keep, float* p, int64_t n, float c, float& ref, float* sum) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m256 vc = _mm256_set1_ps(c);
+  if (ref != kNegInf) {
+    const __m256 off = _mm256_set1_ps(-ref);
+    __m256 acc = _mm256_setzero_ps(), top = _mm256_set1_ps(kNegInf);
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256 t = _mm256_fmadd_ps(load_scores8(s, j, keep), vc, off);
+      top = _mm256_max_ps(top, t);
+      const __m256 e = ember_vec::exp2_ps<5, false>(t);
+      acc = _mm256_add_ps(acc, e);
+      _mm256_storeu_ps(p + j, e);
+    }
+    if (_mm256_movemask_ps(_mm256_cmp_ps(top, _mm256_set1_ps(8.f), _CMP_GT_OQ)) == 0) {
+      _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), acc));
+      return 1.f;
+    }
+  }
+  __m256 m = load_scores8(s, 0, keep);
+  for (int64_t j = 8; j < n; j += 8) m = _mm256_max_ps(m, load_scores8(s, j, keep));
+  const float mx = reduce_max8(m) * c;
+  float factor = 1.f;
+  if (mx > ref + 8.f) {
+    factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
+    ref = mx;
+  }
+  const __m256 off = _mm256_set1_ps(-ref);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 e = ember_vec::exp2_ps<5, false>(_mm256_fmadd_ps(load_scores8(s, j, keep), vc, off));
+    acc = _mm256_add_ps(acc, e);
+    _mm256_storeu_ps(p + j, e);
+  }
+  _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_loadu_ps(sum), _mm256_set1_ps(factor), acc));
+  return factor;
+}
+
+// A row of the output times a (both element types: rare, when a row's reference is raised).
+inline void scale_row(float* o, int64_t d, float a) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), va));
+}
+
+// The sum of a row's 16 partial sums (both element types).
+inline float row_total(const float* sum) {
+  __m256 v = _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_loadu_ps(sum + 8));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline void store_row(const float* o, float* dst, int64_t d, float a) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), va));
+}
+
+// Transposes the 8 x 8 matrix held in r[0..7] (rows) in place.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// One key block (N rows of D, zero past `rows`) in the layouts tile_gemm reads: K^T as [D][N] (8 x 8 transposes),
+// V as [N][D].
+template <int N>
+void pack_kv(const float* k, const float* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, float* kp, float* vp) {
+  for (int64_t n0 = 0; n0 < N; n0 += 8) {
+    for (int64_t j0 = 0; j0 < d; j0 += 8) {
+      __m256 r[8];
+      for (int64_t n = 0; n < 8; ++n)
+        r[n] = n0 + n < rows ? _mm256_loadu_ps(k + (n0 + n) * sk + j0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(kp + (j0 + j) * N + n0, r[j]);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    if (n < rows) std::memcpy(vp + n * d, v + n * sv, d * sizeof(float));
+    else std::memset(vp + n * d, 0, d * sizeof(float));
+  }
+}
+
+// ---- bf16, AVX-512 BF16 or AMX ---------------------------------------------------------------------------------
+#if EMBER_BF16
+
 
 // C (M x N fp32, row stride ldc) = or += A (M x K bf16, its rows by RowTiles) x B, where B is K x N in the
 // VNNI layout [K/2][ldb][2]. M, N, K are multiples of 32.
 #if EMBER_AMX
 // AMX: 2 x 2 result tiles per step.
 template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B, int64_t ldb, float* C,
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const bf16* B, int64_t ldb, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
     const bf16 *a0 = A.start(i / 16), *a1 = A.start(i / 16 + 1);
@@ -123,7 +292,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B
 // and 8 broadcasts. Column strips outside, rows inside: a strip of B (K/2 x 32 pairs) stays in L1 while
 // every row of A passes it.
 template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles& A, const bf16* B, int64_t ldb, float* C,
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const bf16* B, int64_t ldb, float* C,
                int64_t ldc) {
   constexpr int R = 8;  // divides 16: a row block lies inside one of A's 16-row tiles
   for (int64_t j = 0; j < N; j += 32) {
@@ -223,11 +392,6 @@ inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float
   return factor;
 }
 
-inline void scale_row(float* o, int64_t d, float a) {
-  const __m512 va = _mm512_set1_ps(a);
-  for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), va));
-}
-
 inline void store_row(const float* o, bf16* dst, int64_t d, float a) {
   const __m512 va = _mm512_set1_ps(a);
   for (int64_t j = 0; j < d; j += 32) {
@@ -292,18 +456,27 @@ void pack_kv(const bf16* k, const bf16* v, int64_t sk, int64_t sv, int64_t rows,
   }
 }
 
+#endif  // EMBER_BF16
+
+// ---- the structure both element types share ---------------------------------------------------------------------
+
 // A thread's buffers for one work item (bounded by the head count and size, kept between calls).
+template <typename T>
 struct Scratch {
-  std::vector<bf16> qbuf, probs;
+  std::vector<T> qbuf, probs;
   std::vector<float> scores, acc, row_max, row_sum;
-  std::vector<const bf16*> qrow;  // where each 16-row tile of the item's queries is read from
+  std::vector<const T*> qrow;  // where each 16-row tile of the item's queries is read from
   std::vector<int64_t> qld;
   void resize(int64_t rows, int64_t keys, int64_t d) {
     qbuf.resize(rows * d), probs.resize(rows * keys), scores.resize(rows * keys), acc.resize(rows * d);
     row_max.resize(rows), row_sum.resize(rows * 16), qrow.resize(rows / 16), qld.resize(rows / 16);
   }
 };
-thread_local Scratch t_scratch;
+template <typename T>
+Scratch<T>& thread_scratch() {
+  thread_local Scratch<T> scratch;
+  return scratch;
+}
 
 // Work items: one query block of one sequence for all the query heads sharing a kv head (their
 // scores are one matrix product against the same keys). Ordered by sequence and kv head, so items
@@ -327,12 +500,13 @@ std::vector<Item> work_items(const int64_t* cu, const std::vector<int64_t>& firs
 }
 
 // What one call's work items share: the batch, its packed keys and values, and the head shape.
+template <typename T>
 struct Call {
-  const bf16* q;
-  bf16* out;
+  const T* q;
+  T* out;
   const int64_t* cu;     // sequence offsets
   const int64_t* first;  // first key block of each sequence
-  const bf16 *kpack, *vpack;
+  const T *kpack, *vpack;
   int64_t hq, hkv, group, d, sq, block;  // block: elements of one packed key (or value) block
   bool causal;
   float c;  // scale * log2 e
@@ -346,8 +520,8 @@ void for_each_claimed(std::atomic<int64_t>& next, int64_t n, int64_t chunk, Fn f
 }
 
 // One work item: a query block of one sequence, for the query heads sharing one kv head.
-template <int BM, int BN>
-void attend_item(const Call& a, const Item& item, Scratch& w) {
+template <typename T, int BM, int BN>
+void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t d = a.d, rows_all = a.group * BM;
   const int64_t s = item.seq, g = item.head, len = a.cu[s + 1] - a.cu[s];
@@ -357,14 +531,14 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
   // the first tile again (its rows' results are never used).
   for (int64_t t = 0; t < rows_all / 16; ++t) {
     const int64_t h = g * a.group + t * 16 / BM, r0 = t * 16 % BM;
-    const bf16* src = a.q + (a.cu[s] + m0 + r0) * a.sq + h * d;
-    if (r0 + 16 <= rows) {
+    const T* src = a.q + (a.cu[s] + m0 + r0) * a.sq + h * d;
+    if (std::is_same_v<T, bf16> && r0 + 16 <= rows) {
       w.qrow[t] = src, w.qld[t] = a.sq;
-    } else if (r0 < rows) {
-      bf16* dst = w.qbuf.data() + t * 16 * d;
+    } else if (r0 < rows || !std::is_same_v<T, bf16>) {
+      T* dst = w.qbuf.data() + t * 16 * d;
       for (int64_t r = 0; r < 16; ++r) {
-        if (r0 + r < rows) std::memcpy(dst + r * d, src + r * a.sq, d * sizeof(bf16));
-        else std::memset(dst + r * d, 0, d * sizeof(bf16));
+        if (r0 + r < rows) std::memcpy(dst + r * d, src + r * a.sq, d * sizeof(T));
+        else std::memset(dst + r * d, 0, d * sizeof(T));
       }
       w.qrow[t] = dst, w.qld[t] = d;
     } else {
@@ -373,8 +547,8 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
   }
   std::fill(w.row_max.begin(), w.row_max.begin() + rows_all, kNegInf);
   std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all * 16, 0.f);
-  const RowTiles queries{w.qrow.data(), w.qld.data(), nullptr, 0};
-  const RowTiles probs{nullptr, nullptr, w.probs.data(), BN};
+  const RowTiles<T> queries{w.qrow.data(), w.qld.data(), nullptr, 0};
+  const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN};
   for (int64_t b = 0; b < item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
     // keys this block holds for these rows (the last block of a sequence or of a causal row range
@@ -391,30 +565,30 @@ void attend_item(const Call& a, const Item& item, Scratch& w) {
       const float factor = softmax_row(srow, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum.data() + x * 16);
       if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
     }
-    const bf16* vb = a.vpack + i * a.block;
+    const T* vb = a.vpack + i * a.block;
     if (b == 0) tile_gemm<false>(rows_all, d, n, probs, vb, d, w.acc.data(), d);  // writes the rows
     else tile_gemm<true>(rows_all, d, n, probs, vb, d, w.acc.data(), d);
   }
   for (int64_t x = 0; x < rows_all; ++x) {
     const int64_t h = g * a.group + x / BM, r = x % BM;
     if (r < rows) store_row(w.acc.data() + x * d, a.out + ((a.cu[s] + m0 + r) * a.hq + h) * d, d,
-                            1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(w.row_sum.data() + x * 16)));
+                            1.f / row_total(w.row_sum.data() + x * 16));
   }
 }
 
 // BM query rows per block, BN keys per block (multiples of 32).
-template <int BM, int BN>
-void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq, int64_t hq,
-            int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, float scale) {
+template <typename T, int BM, int BN>
+void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t nseq, int64_t hq, int64_t hkv,
+            int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, float scale) {
   const int64_t block = BN * d;
   std::vector<int64_t> first(nseq + 1, 0);  // first key block of each sequence
   for (int64_t s = 0; s < nseq; ++s) first[s + 1] = first[s] + (cu[s + 1] - cu[s] + BN - 1) / BN;
   const int64_t npack = first[nseq] * hkv;
   // K and V of the whole batch, packed (as large as k and v; freed on return)
-  std::unique_ptr<bf16[]> packed(new bf16[2 * npack * block]);
-  bf16* kpack = packed.get();
-  bf16* vpack = kpack + npack * block;
-  const Call call{q, out, cu, first.data(), kpack, vpack, hq, hkv, hq / hkv, d, sq, block, causal, scale * kLog2e};
+  std::unique_ptr<T[]> packed(new T[2 * npack * block]);
+  T* kpack = packed.get();
+  T* vpack = kpack + npack * block;
+  const Call<T> call{q, out, cu, first.data(), kpack, vpack, hq, hkv, hq / hkv, d, sq, block, causal, scale * kLog2e};
 
   const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal);
   const int64_t nitems = items.size(), threads = at::get_num_threads();
@@ -438,43 +612,24 @@ void attend(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_
     packed_count.fetch_add(done, std::memory_order_release);
     while (packed_count.load(std::memory_order_acquire) < npack) _mm_pause();
 
-    Scratch& w = t_scratch;
+    Scratch<T>& w = thread_scratch<T>();
     w.resize(call.group * BM, BN, d);
 #if EMBER_AMX
-    ember_amx::load_tile_config();
+    if constexpr (std::is_same_v<T, bf16>) ember_amx::load_tile_config();
 #endif
     for_each_claimed(next, nitems, std::max<int64_t>(1, nitems / (8 * threads)),
-                     [&](int64_t i) { attend_item<BM, BN>(call, items[i], w); });
+                     [&](int64_t i) { attend_item<T, BM, BN>(call, items[i], w); });
 #if EMBER_AMX
-    _tile_release();
+    if constexpr (std::is_same_v<T, bf16>) _tile_release();
 #endif
   });
 }
 
-}  // namespace
-
-extern "C" {
-
-// 1 when the kernel can run here: built for AVX-512 BF16, or for AMX and Linux grants this process the tile state.
-int ember_attention_usable() {
-#if EMBER_AMX
-  return ember_amx::tiles_usable();
-#else
-  return 1;
-#endif
-}
-
-// The instruction set its matrix products were built for: "amx" or "avx512_bf16".
-const char* ember_attention_isa() { return EMBER_AMX ? "amx" : "avx512_bf16"; }
-
-// q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), bf16.
-// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for
-// 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the longest sequence: each is the fastest measured
-// below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md). Returns 0; 1 for unsupported
-// shapes; 2 when its buffers cannot be allocated.
-int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
-                    int blocks) {
+// One call of `attend` for the block shape `blocks` names (-1: chosen by the longest sequence); ember_attention's
+// return codes.
+template <typename T>
+int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t nseq, int64_t hq, int64_t hkv,
+        int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale, int blocks) {
   if (d % 32 != 0 || d > kMaxHead || hkv <= 0 || hq % hkv != 0) return 1;
   if (blocks < 0) {
     int64_t longest = 0;
@@ -484,10 +639,10 @@ int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, cons
   const bool c = causal != 0;
   try {  // no exception may cross into ctypes (it would terminate the process)
     switch (blocks) {  // query rows x keys per block
-      case 0: attend<32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 1: attend<32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 2: attend<32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 3: attend<64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 0: attend<T, 32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 1: attend<T, 32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 2: attend<T, 32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 3: attend<T, 64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
       default: return 1;
     }
   } catch (const std::bad_alloc&) {
@@ -496,25 +651,75 @@ int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, cons
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// 1 when the kernel can run here: built without AMX, or for AMX and Linux grants this process the tile state.
+int ember_attention_usable() {
+#if EMBER_AMX
+  return ember_amx::tiles_usable();
+#else
+  return 1;
+#endif
+}
+
+// The instruction set its matrix products were built for: "amx" or "avx512_bf16" (bf16 and float32), or "avx2"
+// (float32 only).
+const char* ember_attention_isa() { return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : "avx2"; }
+
+// q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), float32.
+// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for
+// 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the longest sequence: each is the fastest measured
+// below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md). Returns 0; 1 for unsupported
+// shapes; 2 when its buffers cannot be allocated.
+int ember_attention_f32(const float* q, const float* k, const float* v, float* out, const int64_t* cu, int64_t nseq,
+                        int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal,
+                        float scale, int blocks) {
+  return run<float>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, scale, blocks);
+}
+
+#if EMBER_BF16
+// ember_attention_f32 in bf16 (built where the compiler targets AVX-512 BF16).
+int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
+                    int blocks) {
+  return run<bf16>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, scale, blocks);
+}
+#endif
+
 }  // extern "C"
 
 // The kernel as torch's operator ember::native_attention(q, k, v, cu, causal) (schema and shape function:
 // ember.ops.attention), its one entry from Python: compiled regions call it through the dispatcher with no
-// Python in between (~45 us a call through Python).
+// Python in between (~45 us a call through Python). float32, and bf16 where built for it.
 namespace {
+
+template <typename T>
+int call_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, const at::Tensor& cu,
+                bool causal) {
+  const auto ptr = [](const at::Tensor& x) { return static_cast<const T*>(x.data_ptr()); };
+  return run<T>(ptr(q), ptr(k), ptr(v), static_cast<T*>(out.data_ptr()), cu.data_ptr<int64_t>(), cu.size(0) - 1,
+                q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0), v.stride(0), causal ? 1 : 0,
+                static_cast<float>(1.0 / std::sqrt(double(q.size(2)))), -1);
+}
 
 at::Tensor native_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_in,
                                bool causal) {
   const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || (EMBER_BF16 && dtype == at::kBFloat16),
+              "native_attention: q, k, v must be float32", EMBER_BF16 ? " or bf16" : " (this build has no bf16)");
   for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->stride(2) == 1 && x->stride(1) == d,
-                "native_attention: q, k, v must be (T, H, D) bf16 with each token's heads contiguous");
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == dtype && x->stride(2) == 1 && x->stride(1) == d,
+                "native_attention: q, k, v must be (T, H, D) of one dtype with each token's heads contiguous");
   const at::Tensor cu = cu_in.to(at::kLong).contiguous();
   at::Tensor out = at::empty({t, hq, d}, q.options());
-  const auto ptr = [](const at::Tensor& x) { return static_cast<const bf16*>(x.data_ptr()); };
-  const int status = ember_attention(ptr(q), ptr(k), ptr(v), static_cast<bf16*>(out.data_ptr()), cu.data_ptr<int64_t>(),
-                                     cu.size(0) - 1, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), causal ? 1 : 0,
-                                     static_cast<float>(1.0 / std::sqrt(double(d))), -1);
+  int status = 1;
+  if (dtype == at::kFloat) status = call_kernel<float>(q, k, v, out, cu, causal);
+#if EMBER_BF16
+  else status = call_kernel<bf16>(q, k, v, out, cu, causal);
+#endif
   TORCH_CHECK_WITH(OutOfMemoryError, status != 2, "native attention: no memory for its working buffers");
   TORCH_CHECK(status == 0, "native attention on q (", t, ", ", hq, ", ", d, "), ", hkv, " kv heads: shapes refused");
   return out;
