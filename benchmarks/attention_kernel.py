@@ -1,14 +1,18 @@
 """ember's native attention kernel against torch's SDPA path, on batches shaped like ember's, turn about.
 
-Both sides get the same packed bf16 q/k/v (views of one (T, Hq + 2 Hkv, D) projection, as the models lay
-them out) and compute the same attention: `varlen_attention`'s SDPA path (what runs where the kernel does
-not) and the kernel's operator, each call alternating, medians of the times. With --blocks, each of the
-kernel's block shapes (query rows x keys) is timed too, to check the choice it makes by sequence length.
+Both sides get the same packed q/k/v (bf16, or float32 with --dtype float32; views of one (T, Hq + 2 Hkv, D)
+projection, as the models lay them out) and compute the same attention: `varlen_attention`'s SDPA path (what
+runs where the kernel does not) and the kernel's operator, each call alternating, medians of the times. With
+--blocks, each of the kernel's block shapes (query rows x keys) is timed too, to check the choice it makes by
+sequence length.
 The kernel runs with whatever instruction set it was built for on this machine (printed first: AMX, or
-AVX-512 BF16 where the CPU has no AMX or EMBER_MAX_ISA=avx512_bf16 caps it).
+AVX-512 BF16 where the CPU has no AMX or EMBER_MAX_ISA=avx512_bf16 caps it, or AVX2: float32 only). GFLOP/s
+counts the two products' multiply-adds (causal: half the square).
 
     python benchmarks/attention_kernel.py
     python benchmarks/attention_kernel.py --cases "16/8/128:8x21,4x512,8000" --rounds 15 --blocks
+    EMBER_MAX_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+        python benchmarks/attention_kernel.py --dtype float32
 """
 
 from __future__ import annotations
@@ -44,31 +48,45 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--bidirectional", action="store_true", help="BERT-style attention (default causal)")
     ap.add_argument("--blocks", action="store_true", help="also time each fixed block shape of the kernel")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     native.build_kernels(native_config())
     lib = native.attention_kernel()
     if lib is None:
         sys.exit("the native attention kernel does not run here: see `ember doctor`")
+    if dtype not in native.native_attention_dtypes():
+        sys.exit(f"this build of the kernel has no {args.dtype} (bf16 needs AVX-512 BF16): try --dtype float32")
     lib.ember_attention_isa.restype = ctypes.c_char_p
     causal = not args.bidirectional
-    print(f"kernel: {lib.ember_attention_isa().decode()}, threads {torch.get_num_threads()}, causal {causal}")
-    head = f"{'heads':>10s} {'batch':>8s} {'SDPA ms':>9s} {'kernel ms':>10s} {'SDPA / kernel':>14s}"
+    isa = lib.ember_attention_isa().decode()
+    print(f"kernel: {isa}, {args.dtype}, threads {torch.get_num_threads()}, causal {causal}")
+    head = f"{'heads':>10s} {'batch':>8s} {'SDPA ms':>9s} {'kernel ms':>10s} {'SDPA / kernel':>14s} {'GFLOP/s':>8s}"
     print(head + ("".join(f" {b:>8s}" for b in _BLOCKS) if args.blocks else ""))
     for group in args.cases.split(";"):
         shape, _, batches = group.partition(":")
         hq, hkv, d = map(int, shape.split("/"))
         for spec in batches.split(","):
-            ms = _time_case(lib, (hq, hkv, d), _batch(spec), causal, args.rounds, args.blocks)
+            lens = _batch(spec)
+            ms = _time_case(lib, (hq, hkv, d), lens, dtype, causal, args.rounds, args.blocks)
+            flop = sum(4 * n * n * d * hq for n in lens) / (2 if causal else 1)
             line = f"{shape:>10s} {spec:>8s} {ms['sdpa']:9.2f} {ms['kernel']:10.2f} {ms['sdpa'] / ms['kernel']:14.2f}"
+            line += f" {flop / ms['kernel'] / 1e6:8.1f}"
             print(line + ("".join(f" {ms[b]:8.2f}" for b in _BLOCKS) if args.blocks else ""), flush=True)
 
 
 def _time_case(
-    lib: ctypes.CDLL, heads: tuple[int, int, int], lens: list[int], causal: bool, rounds: int, blocks: bool
+    lib: ctypes.CDLL,
+    heads: tuple[int, int, int],
+    lens: list[int],
+    dtype: torch.dtype,
+    causal: bool,
+    rounds: int,
+    blocks: bool,
 ) -> dict[str, float]:
     """Median milliseconds of each way (SDPA, the kernel, and each block shape with `blocks`), calls alternating."""
     hq, hkv, d = heads
-    qkv = torch.randn(sum(lens), hq + 2 * hkv, d).bfloat16()
+    qkv = torch.randn(sum(lens), hq + 2 * hkv, d).to(dtype)
     q, k, v = qkv.split((hq, hkv, hkv), dim=1)
     cu = attention.seq_offsets(lens)
     ways = {
@@ -91,9 +109,10 @@ def _time_case(
 
 
 def _fixed(lib: ctypes.CDLL, q, k, v, out, cu, causal: bool, blocks: int) -> None:  # type: ignore[no-untyped-def]
-    """The kernel with one block shape, called through its C entry point."""
+    """The kernel with one block shape, called through its C entry point (ember_attention_f32 for float32)."""
     d = q.shape[-1]
-    status = lib.ember_attention(
+    entry = lib.ember_attention if q.dtype == torch.bfloat16 else lib.ember_attention_f32
+    status = entry(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(cu.data_ptr()), ctypes.c_int64(cu.numel() - 1),
         ctypes.c_int64(q.shape[1]), ctypes.c_int64(k.shape[1]), ctypes.c_int64(d), ctypes.c_int64(q.stride(0)),
