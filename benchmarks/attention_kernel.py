@@ -13,6 +13,7 @@ counts the two products' multiply-adds (causal: half the square).
     python benchmarks/attention_kernel.py --cases "16/8/128:8x21,4x512,8000" --rounds 15 --blocks
     EMBER_MAX_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
         python benchmarks/attention_kernel.py --dtype float32
+    python benchmarks/attention_kernel.py --cases "12/12/64:4x512,2x2048,8000" --window 64  # ModernBERT's local layers
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ prepare_process(None, None)  # threads as the server sizes them; EMBER_MAX_ISA a
 import torch  # noqa: E402
 
 from ember.ops import attention, native  # noqa: E402
+from ember.ops.window import local_attention  # noqa: E402
 
 # heads (query/kv/size) : batches (count x length, or a length), Qwen3-0.6B's and all-MiniLM-L6-v2's heads
 DEFAULT = "16/8/128:8x21,16x64,4x512,2x1024,2048,8000;12/12/32:8x20,32x200"
@@ -49,6 +51,9 @@ def main() -> None:
     ap.add_argument("--bidirectional", action="store_true", help="BERT-style attention (default causal)")
     ap.add_argument("--blocks", action="store_true", help="also time each fixed block shape of the kernel")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument(
+        "--window", type=int, default=None, help="local attention (bidirectional): a token sees this many on each side"
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     native.build_kernels(native_config())
@@ -58,9 +63,9 @@ def main() -> None:
     if dtype not in native.native_attention_dtypes():
         sys.exit(f"this build of the kernel has no {args.dtype} (bf16 needs AVX-512 BF16): try --dtype float32")
     lib.ember_attention_isa.restype = ctypes.c_char_p
-    causal = not args.bidirectional
+    causal = not args.bidirectional and args.window is None
     isa = lib.ember_attention_isa().decode()
-    print(f"kernel: {isa}, {args.dtype}, threads {torch.get_num_threads()}, causal {causal}")
+    print(f"kernel: {isa}, {args.dtype}, threads {torch.get_num_threads()}, causal {causal}, window {args.window}")
     head = f"{'heads':>10s} {'batch':>8s} {'SDPA ms':>9s} {'kernel ms':>10s} {'SDPA / kernel':>14s} {'GFLOP/s':>8s}"
     print(head + ("".join(f" {b:>8s}" for b in _BLOCKS) if args.blocks else ""))
     for group in args.cases.split(";"):
@@ -68,8 +73,9 @@ def main() -> None:
         hq, hkv, d = map(int, shape.split("/"))
         for spec in batches.split(","):
             lens = _batch(spec)
-            ms = _time_case(lib, (hq, hkv, d), lens, dtype, causal, args.rounds, args.blocks)
-            flop = sum(4 * n * n * d * hq for n in lens) / (2 if causal else 1)
+            ms = _time_case(lib, (hq, hkv, d), lens, dtype, causal, args.window, args.rounds, args.blocks)
+            keys = [n / 2 if causal else n if args.window is None else min(n, 2 * args.window + 1) for n in lens]
+            flop = sum(4 * n * m * d * hq for n, m in zip(lens, keys, strict=True))
             line = f"{shape:>10s} {spec:>8s} {ms['sdpa']:9.2f} {ms['kernel']:10.2f} {ms['sdpa'] / ms['kernel']:14.2f}"
             line += f" {flop / ms['kernel'] / 1e6:8.1f}"
             print(line + ("".join(f" {ms[b]:8.2f}" for b in _BLOCKS) if args.blocks else ""), flush=True)
@@ -81,6 +87,7 @@ def _time_case(
     lens: list[int],
     dtype: torch.dtype,
     causal: bool,
+    window: int | None,
     rounds: int,
     blocks: bool,
 ) -> dict[str, float]:
@@ -93,10 +100,15 @@ def _time_case(
         "sdpa": lambda: attention.packed_sdpa(qkv, cu, hkv, causal),
         "kernel": lambda: torch.ops.ember.native_attention(q, k, v, cu, causal),
     }
+    if window is not None:  # ember.ops.window's SDPA path (band masks, blocks) against the kernel with the window
+        ways = {
+            "sdpa": lambda: _without_kernel(lambda: local_attention(q, k, v, lens, window)),
+            "kernel": lambda: torch.ops.ember.native_attention(q, k, v, cu, False, window),
+        }
     if blocks:
         out = torch.empty_like(q)
         for i, name in enumerate(_BLOCKS):
-            ways[name] = lambda i=i: _fixed(lib, q, k, v, out, cu, causal, i)
+            ways[name] = lambda i=i: _fixed(lib, q, k, v, out, cu, causal, -1 if window is None else window, i)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for way in ways.values():
         way()  # warm: plans, buffers
@@ -108,7 +120,16 @@ def _time_case(
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def _fixed(lib: ctypes.CDLL, q, k, v, out, cu, causal: bool, blocks: int) -> None:  # type: ignore[no-untyped-def]
+def _without_kernel(fn):  # type: ignore[no-untyped-def]
+    """fn() with the native kernel hidden from ember.ops (its SDPA path)."""
+    lib = native._loaded.pop("attention")
+    try:
+        return fn()
+    finally:
+        native._loaded["attention"] = lib
+
+
+def _fixed(lib: ctypes.CDLL, q, k, v, out, cu, causal: bool, window: int, blocks: int) -> None:  # type: ignore[no-untyped-def]
     """The kernel with one block shape, called through its C entry point (ember_attention_f32 for float32)."""
     d = q.shape[-1]
     entry = lib.ember_attention if q.dtype == torch.bfloat16 else lib.ember_attention_f32
@@ -116,7 +137,7 @@ def _fixed(lib: ctypes.CDLL, q, k, v, out, cu, causal: bool, blocks: int) -> Non
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(cu.data_ptr()), ctypes.c_int64(cu.numel() - 1),
         ctypes.c_int64(q.shape[1]), ctypes.c_int64(k.shape[1]), ctypes.c_int64(d), ctypes.c_int64(q.stride(0)),
-        ctypes.c_int64(k.stride(0)), ctypes.c_int64(v.stride(0)), ctypes.c_int(int(causal)),
+        ctypes.c_int64(k.stride(0)), ctypes.c_int64(v.stride(0)), ctypes.c_int(int(causal)), ctypes.c_int64(window),
         ctypes.c_float(d**-0.5), ctypes.c_int(blocks),
     )  # fmt: skip
     assert status == 0, status

@@ -16,11 +16,13 @@ vocabulary is 30,522 rather than the model's own, which changes the embedding lo
   8,192, rope theta 500,000).
 The two decoders use the real Qwen3 tokenizer (151,669 entries; Llama 3.2's own has 128,256).
 
-Workload: N documents of ~256 tokens (ember bench's texts), batch of all of them, bf16 (or --dtype), the process's
-threads. Each round times ember then the reference on the same texts; the ratio is the median of the rounds' ratios.
+Workload: N documents of ~256 tokens (or --tokens; ember bench's texts), batch of all of them, bf16 (or --dtype),
+the process's threads. Each round times ember then the reference on the same texts; the ratio is the median of the
+rounds' ratios.
 
     python benchmarks/families.py [--families embeddinggemma,modernbert,splade,nomic] [--docs 64] [--rounds 3]
     python benchmarks/families.py --families qwen2,llama --docs 16
+    python benchmarks/families.py --families modernbert,embeddinggemma --docs 8 --tokens 2048  # the local layers
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(BUILDERS))
     ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256, help="words per document (~tokens)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -186,7 +189,7 @@ def main() -> None:
     for family in args.families.split(","):
         path = model_dir(family)
         embedder = Embedder(str(path), dtype=args.dtype)
-        texts = make_texts((256,) * args.docs, seed=7)
+        texts = make_texts((args.tokens,) * args.docs, seed=7)
         tokens = sum(embedder.embed(texts).token_counts)
         ref = reference(family, path, args.dtype)
         if ref is not None:
@@ -203,8 +206,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del embedder, ref
-    result = {"cpu": cpu_name(), "dtype": args.dtype, "docs": args.docs, "rounds": args.rounds, "rows": rows}
-    print(f"\n{result['cpu']}, {args.dtype}, {args.docs} documents of ~256 tokens")
+    result = {"cpu": cpu_name(), "dtype": args.dtype, "docs": args.docs, "words": args.tokens, "rounds": args.rounds}
+    result["rows"] = rows
+    print(f"\n{result['cpu']}, {args.dtype}, {args.docs} documents of ~{args.tokens} words")
     print(f"{'family':<16}{'ember tok/s':>12}{'reference tok/s':>17}{'ratio':>8}")
     for r in rows:
         ref_s = f"{r['reference_tok_s']:.0f}" if "reference_tok_s" in r else "-"

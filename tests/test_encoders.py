@@ -3,6 +3,7 @@ sentence-transformers on the same tiny random weights, with inputs longer than t
 
 import numpy as np
 import pytest
+import torch
 
 from checkpoints.families import build_gemma3, build_modernbert
 from corpus import SENTENCES
@@ -47,3 +48,31 @@ def test_modernbert_cls_pooling_as_gte_modernbert(tmp_path):
     path = build_modernbert(tmp_path, st_pooling="cls")
     ours = Embedder(str(path), dtype="float32", enforce_eager=True).embed(TEXTS).vectors
     assert cos(ours, st_reference(path, TEXTS)).min() >= 0.99999
+
+
+@pytest.mark.parametrize("family", ["gemma3", "modernbert"])
+def test_the_local_layers_on_the_native_kernel_match_sentence_transformers(tmp_path, monkeypatch, family):
+    """With ember's attention kernel loaded, the local layers run on it (one call per layer, with the window) and
+    the embeddings still match sentence-transformers'."""
+    from ember.cli.runtime import native_config
+    from ember.ops import native, window
+
+    native.build_kernels(native_config())
+    if native.attention_kernel() is None:
+        pytest.skip("the native attention kernel cannot run on this machine")
+    path = build_gemma3(tmp_path) if family == "gemma3" else build_modernbert(tmp_path, heads=2)  # heads of 32
+    windows = []
+
+    def spy(q, k, v, seqlens, causal, window=None):
+        out = native_attention(q, k, v, seqlens, causal, window)
+        windows.append(window if out is not None else None)  # None: the kernel declined
+        return out
+
+    native_attention = window.native_attention
+    monkeypatch.setattr(window, "native_attention", spy)
+    ref = st_reference(path, TEXTS)
+    for dtype in native.native_attention_dtypes():
+        windows.clear()
+        ours = Embedder(str(path), dtype=str(dtype).removeprefix("torch."), enforce_eager=True).embed(TEXTS).vectors
+        assert windows and all(w == 8 for w in windows)  # +-8 positions: the checkpoints' 16-token windows
+        assert cos(ours, ref).min() >= (0.99999 if dtype == torch.float32 else 0.999)

@@ -13,6 +13,7 @@ import ember.ops.native as native
 from ember.cli.runtime import native_config
 from ember.ops import attention
 from ember.ops.attention import varlen_attention
+from ember.ops.window import local_attention
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,61 @@ def test_varlen_attention_uses_it(kernel: ctypes.CDLL, monkeypatch: pytest.Monke
         assert torch.equal(varlen_attention(q, k, v, seqlens, causal=True), _native(kernel, q, k, v, seqlens, True))
     assert not attention._native_fits(*(t.half() for t in (q, k, v)))  # float16: SDPA
     assert not attention._native_fits(q[..., :48], k[..., :48], v[..., :48])  # a head size it does not take: SDPA
+
+
+def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], window: int) -> torch.Tensor:
+    """Float64 attention per sequence in which a token sees the tokens within `window` positions of it."""
+    group = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in seqlens:
+        qs, ks, vs = (t[start : start + n].double().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        i = torch.arange(n)
+        band = (i[:, None] - i[None, :]).abs() <= window
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+WINDOWS = [
+    ((12, 12, 64), [700, 30, 129], 64),  # ModernBERT's local layers: 64 on either side
+    ((4, 2, 128), [1300, 513, 40], 512),  # EmbeddingGemma's sliding layers
+    ((4, 4, 32), [300, 65, 64, 1], 0),  # each token itself alone
+    ((4, 4, 32), [90, 33], 31),  # windows ending inside a block of keys
+    ((4, 2, 64), [6300], 100),  # blocks of 64 x 256: a window inside one block
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "seqlens", "window"), WINDOWS)
+def test_a_window_matches_banded_attention(
+    kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], window: int, dtype: torch.dtype
+) -> None:
+    _runs(dtype)
+    q, k, v = _packed(seqlens, *heads, seed=window, dtype=dtype)
+    got = torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), False, window)
+    want = _banded(q, k, v, seqlens, window)
+    assert _close(got, want, dtype)
+    if max(seqlens) > window + 1:  # the window is not every key: the result differs from full attention
+        assert not _close(got, _reference(q, k, v, seqlens, False), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_local_attention_runs_on_it_and_agrees_with_the_sdpa_path(
+    kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """ModernBERT's and EmbeddingGemma's local layers call the kernel once for the batch; without it (SDPA: band
+    masks and blocks) they compute the same attention."""
+    _runs(dtype)
+    seqlens, window = [400, 100, 20, 250], 64
+    q, k, v = _packed(seqlens, 12, 12, 64, seed=9, dtype=dtype)
+    monkeypatch.setitem(native._loaded, "attention", kernel)
+    got = local_attention(q, k, v, seqlens, window)
+    assert torch.equal(got, torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), False, window))
+    monkeypatch.delitem(native._loaded, "attention")
+    sdpa = local_attention(q, k, v, seqlens, window)
+    want = _banded(q, k, v, seqlens, window)
+    assert _close(got, want, dtype) and _close(sdpa, want, dtype)
 
 
 def test_the_build_says_which_dtypes_it_computes(kernel: ctypes.CDLL) -> None:

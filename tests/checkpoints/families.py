@@ -128,9 +128,10 @@ def build_gemma3(
 
 
 def build_modernbert(out_dir: Path, *, layers: int = 4, local_attention: int = 16, seed: int = 0,
-                     st_pooling: str = "mean") -> Path:  # fmt: skip
+                     st_pooling: str = "mean", heads: int = 4) -> Path:  # fmt: skip
     """A small ModernBERT saved as ModernBertForMaskedLM (`model.*` keys, the MLM head beside them), a global layer
-    every third one, `local_attention` tokens in the local layers' windows (+-local_attention/2)."""
+    every third one, `local_attention` tokens in the local layers' windows (+-local_attention/2); 64 wide, so
+    `heads` 2 gives heads of 32 (the native attention kernel's smallest)."""
     import torch
     import transformers
 
@@ -138,7 +139,7 @@ def build_modernbert(out_dir: Path, *, layers: int = 4, local_attention: int = 1
     out.mkdir(parents=True, exist_ok=True)
     vocab = _write_bert_tokenizer(out, 8192)
     config = transformers.ModernBertConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=heads,
         local_attention=local_attention, global_attn_every_n_layers=3, pad_token_id=0, cls_token_id=101,
         sep_token_id=102, bos_token_id=101, eos_token_id=102, architectures=["ModernBertForMaskedLM"],
     )  # fmt: skip

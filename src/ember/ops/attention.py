@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ember.ops.native import attention_kernel, native_attention_dtypes
 
-__all__ = ["group_by_length", "packed_attention", "seq_offsets", "varlen_attention"]
+__all__ = ["group_by_length", "native_attention", "packed_attention", "seq_offsets", "varlen_attention"]
 
 # A group may waste at most this fraction of its padded area on padding.
 _MAX_PADDING = 0.25
@@ -66,12 +66,27 @@ def _offsets(seqlens: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int64)
 
 
-torch.library.define("ember::native_attention", "(Tensor q, Tensor k, Tensor v, Tensor cu, bool causal) -> Tensor")
+torch.library.define(
+    "ember::native_attention", "(Tensor q, Tensor k, Tensor v, Tensor cu, bool causal, int window=-1) -> Tensor"
+)
 
 
 @torch.library.register_fake("ember::native_attention")
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool, window: int = -1
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def native_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool, window: int | None = None
+) -> torch.Tensor | None:
+    """The native kernel's attention of packed q (T, Hq, D) over k, v (T, Hkv, D), a token seeing the keys of its
+    sequence within `window` positions of it (None: all): (T, Hq, D); None where the kernel does not run (not
+    built, or this dtype or head size)."""
+    if attention_kernel() is None or not _native_fits(q, k, v):
+        return None
+    return torch.ops.ember.native_attention(q, k, v, seq_offsets(seqlens), causal, -1 if window is None else window)
 
 
 def packed_attention(qkv: torch.Tensor, cu: torch.Tensor, n_kv: int, causal: bool) -> torch.Tensor:
@@ -130,8 +145,9 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool
 ) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over k, v (T, Hkv, D); returns (T, Hq, D)."""
-    if attention_kernel() is not None and _native_fits(q, k, v):
-        return torch.ops.ember.native_attention(q, k, v, seq_offsets(seqlens), causal)
+    native = native_attention(q, k, v, seqlens, causal)
+    if native is not None:
+        return native
     if len(seqlens) == 1:
         out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, None)
         return out[0].transpose(0, 1)  # (T, Hq, D)

@@ -1,11 +1,13 @@
 """Local attention: bidirectional attention in which a token sees only the tokens within `window` positions of it
 (ModernBERT's local layers, EmbeddingGemma's sliding layers), over packed variable-length sequences.
 
-A sequence no longer than the window sees all of itself, so it goes to varlen_attention (the native kernel where
-built). One shorter than three windows runs whole under an (L, L) band mask. A longer one is cut into blocks of
-`window` queries, each attending to its own block and the window on either side: one SDPA call per sequence over
-(blocks, window + 2 window) keys, so the score matrix grows with the length times the window, never with the
-length squared.
+Where ember's native attention kernel runs (ember.ops.attention), every sequence of the batch goes through one call
+of it with the window: its work items read only the key blocks their rows' windows reach, and the rows' band is
+masked in the softmax. Elsewhere (SDPA): a sequence no longer than the window sees all of itself, so it goes to
+varlen_attention. One shorter than three windows runs whole under an (L, L) band mask. A longer one is cut into
+blocks of `window` queries, each attending to its own block and the window on either side: one SDPA call per
+sequence over (blocks, window + 2 window) keys, so the score matrix grows with the length times the window, never
+with the length squared.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.ops.attention import varlen_attention
+from ember.ops.attention import native_attention, varlen_attention
 
 __all__ = ["local_attention"]
 
@@ -25,6 +27,9 @@ def local_attention(
     |i - j| <= window (None: every token of its sequence, a global layer). Returns (T, Hq, D)."""
     if window is None:
         return varlen_attention(q, k, v, seqlens, causal=False)
+    native = native_attention(q, k, v, seqlens, causal=False, window=window)
+    if native is not None:
+        return native
     out = torch.empty_like(q)
     short: list[tuple[int, int]] = []  # (start, length) of the sequences that fit the window whole
     start = 0

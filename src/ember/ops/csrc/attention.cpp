@@ -71,7 +71,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxHead = 256;
 
 struct Item {
-  int32_t seq, head, qblock, kvblocks;  // head: the kv head
+  int32_t seq, head, qblock, kvfirst, kvblocks;  // head: the kv head; key blocks [kvfirst, kvfirst + kvblocks)
 };
 
 // Where A's rows are, 16 at a time: tile t (rows 16 t .. 16 t + 15) starts at row[t], its rows ld[t]
@@ -130,10 +130,11 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const 
   }
 }
 
-// 8 scores from s + j, those from `keep` on as -inf (masked in the registers, not written into the row).
-inline __m256 load_scores8(const float* s, int64_t j, int64_t keep) {
+// 8 scores from s + j, those outside [from, keep) as -inf (masked in the registers, not written into the row).
+inline __m256 load_scores8(const float* s, int64_t j, int64_t from, int64_t keep) {
   const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int32_t(j)));
-  const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(keep)), at);
+  const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(from)), at),
+                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(keep)), at));
   return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), _mm256_loadu_ps(s + j),
                           _mm256_castsi256_ps(in));
 }
@@ -146,14 +147,15 @@ inline float reduce_max8(__m256 v) {
 
 // softmax_row below, in float32 and 8 lanes: the same lazy reference and one-pass blocks, 2^x of degree 5
 // (~3e-6, float32 attention's accuracy); the row's partial sums are sum[0..7] (sum[8..15] stay 0).
-inline float softmax_row(const float* s, int64_t keep, float* p, int64_t n, float c, float& ref, float* sum) {
+inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, int64_t n, float c, float& ref,
+                         float* sum) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const __m256 vc = _mm256_set1_ps(c);
   if (ref != kNegInf) {
     const __m256 off = _mm256_set1_ps(-ref);
     __m256 acc = _mm256_setzero_ps(), top = _mm256_set1_ps(kNegInf);
     for (int64_t j = 0; j < n; j += 8) {
-      const __m256 t = _mm256_fmadd_ps(load_scores8(s, j, keep), vc, off);
+      const __m256 t = _mm256_fmadd_ps(load_scores8(s, j, from, keep), vc, off);
       top = _mm256_max_ps(top, t);
       const __m256 e = ember_vec::exp2_ps<5, false>(t);
       acc = _mm256_add_ps(acc, e);
@@ -164,8 +166,8 @@ inline float softmax_row(const float* s, int64_t keep, float* p, int64_t n, floa
       return 1.f;
     }
   }
-  __m256 m = load_scores8(s, 0, keep);
-  for (int64_t j = 8; j < n; j += 8) m = _mm256_max_ps(m, load_scores8(s, j, keep));
+  __m256 m = load_scores8(s, 0, from, keep);
+  for (int64_t j = 8; j < n; j += 8) m = _mm256_max_ps(m, load_scores8(s, j, from, keep));
   const float mx = reduce_max8(m) * c;
   float factor = 1.f;
   if (mx > ref + 8.f) {
@@ -175,7 +177,7 @@ inline float softmax_row(const float* s, int64_t keep, float* p, int64_t n, floa
   const __m256 off = _mm256_set1_ps(-ref);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; j += 8) {
-    const __m256 e = ember_vec::exp2_ps<5, false>(_mm256_fmadd_ps(load_scores8(s, j, keep), vc, off));
+    const __m256 e = ember_vec::exp2_ps<5, false>(_mm256_fmadd_ps(load_scores8(s, j, from, keep), vc, off));
     acc = _mm256_add_ps(acc, e);
     _mm256_storeu_ps(p + j, e);
   }
@@ -328,18 +330,18 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const b
 }
 #endif
 
-// Scores from `keep` on (the causal mask, and keys past the sequence's end) count as -inf: masked in
-// the loads, not written into the row (scalar stores there stalled the vector loads behind them).
-inline __m512 load_scores(const float* s, int64_t j, int64_t keep) {
-  const int64_t valid = std::clamp<int64_t>(keep - j, 0, 16);
-  const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
+// Scores outside [from, keep) (a window's band, the causal mask, and keys past the sequence's end) count as -inf:
+// masked in the loads, not written into the row (scalar stores there stalled the vector loads behind them).
+inline __m512 load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
+  const int64_t valid = std::clamp<int64_t>(keep - j, 0, 16), before = std::clamp<int64_t>(from - j, 0, 16);
+  const __mmask16 m = static_cast<__mmask16>(((1u << valid) - 1) & ~((1u << before) - 1));
   return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
 }
 
 // 2^t for t <= 8 (scores are at most 8 above the row's reference): vec.h's degree-3 polynomial.
 inline __m512 exp2_approx(__m512 t) { return ember_vec::exp2_ps<3, false>(t); }
 
-// Scores -> bf16 probabilities for one row of n (a multiple of 32), of which the first `keep` are unmasked,
+// Scores -> bf16 probabilities for one row of n (a multiple of 32), of which [from, keep) are unmasked,
 // in base 2: p = 2^(s * c - ref), c = scale * log2 e.
 // `ref` (in/out) is the row's running reference: the largest scaled score seen, raised lazily: only
 // when a block's max exceeds it by more than 8 (so p <= 256, exact enough in fp32 sums and bf16).
@@ -347,7 +349,8 @@ inline __m512 exp2_approx(__m512 t) { return ember_vec::exp2_ps<3, false>(t); }
 // and adds this row's p to `sum` (16 partial sums) after scaling it by that factor.
 // With a reference already set the row takes one pass, checking as it goes that no score exceeds it by
 // more than 8, and is redone with the new reference when one does (rare after a row's first block).
-inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float c, float& ref, float* sum) {
+inline float softmax_row(const float* s, int64_t from, int64_t keep, bf16* p, int64_t n, float c, float& ref,
+                         float* sum) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const __m512 vc = _mm512_set1_ps(c);
   if (ref != kNegInf) {
@@ -355,8 +358,8 @@ inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m512 top = _mm512_set1_ps(kNegInf);
     for (int64_t j = 0; j < n; j += 32) {
-      const __m512 t0 = _mm512_fmadd_ps(load_scores(s, j, keep), vc, off);
-      const __m512 t1 = _mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off);
+      const __m512 t0 = _mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off);
+      const __m512 t1 = _mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off);
       top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
       const __m512 p0 = exp2_approx(t0), p1 = exp2_approx(t1);
       acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
@@ -368,10 +371,10 @@ inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float
       return 1.f;
     }
   }
-  __m512 m0 = load_scores(s, 0, keep), m1 = load_scores(s, 16, keep);
+  __m512 m0 = load_scores(s, 0, from, keep), m1 = load_scores(s, 16, from, keep);
   for (int64_t j = 32; j < n; j += 32) {
-    m0 = _mm512_max_ps(m0, load_scores(s, j, keep));
-    m1 = _mm512_max_ps(m1, load_scores(s, j + 16, keep));
+    m0 = _mm512_max_ps(m0, load_scores(s, j, from, keep));
+    m1 = _mm512_max_ps(m1, load_scores(s, j + 16, from, keep));
   }
   const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * c;
   float factor = 1.f;
@@ -382,8 +385,8 @@ inline float softmax_row(const float* s, int64_t keep, bf16* p, int64_t n, float
   const __m512 off = _mm512_set1_ps(-ref);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 32) {
-    const __m512 p0 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j, keep), vc, off));
-    const __m512 p1 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j + 16, keep), vc, off));
+    const __m512 p0 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off));
+    const __m512 p1 = exp2_approx(_mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off));
     acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
     __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);
     std::memcpy(p + j, &packed, sizeof(packed));
@@ -483,7 +486,7 @@ Scratch<T>& thread_scratch() {
 // next to each other read the same keys and values; the costliest sequences first.
 template <int BM, int BN>
 std::vector<Item> work_items(const int64_t* cu, const std::vector<int64_t>& first, int64_t nseq, int64_t hkv,
-                             bool causal) {
+                             bool causal, int64_t window) {
   std::vector<int64_t> order(nseq);
   for (int64_t s = 0; s < nseq; ++s) order[s] = s;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cu[a + 1] - cu[a] > cu[b + 1] - cu[b]; });
@@ -492,8 +495,11 @@ std::vector<Item> work_items(const int64_t* cu, const std::vector<int64_t>& firs
     const int64_t len = cu[s + 1] - cu[s], nb = first[s + 1] - first[s];
     for (int64_t g = 0; g < hkv; ++g)
       for (int64_t m = (len + BM - 1) / BM - 1; m >= 0; --m) {
-        const int64_t kvb = causal ? std::min<int64_t>(nb, (m * BM + BM + BN - 1) / BN) : nb;
-        items.push_back({int32_t(s), int32_t(g), int32_t(m), int32_t(kvb)});
+        // the keys rows m BM .. m BM + BM - 1 see: up to the diagonal (causal), within the window (window >= 0)
+        int64_t lo = 0, hi = causal ? std::min<int64_t>(len, m * BM + BM) : len;
+        if (window >= 0) lo = std::max<int64_t>(0, m * BM - window), hi = std::min(hi, m * BM + BM + window);
+        const int64_t b0 = lo / BN, b1 = std::min<int64_t>(nb, (hi + BN - 1) / BN);
+        items.push_back({int32_t(s), int32_t(g), int32_t(m), int32_t(b0), int32_t(b1 - b0)});
       }
   }
   return items;
@@ -509,6 +515,7 @@ struct Call {
   const T *kpack, *vpack;
   int64_t hq, hkv, group, d, sq, block;  // block: elements of one packed key (or value) block
   bool causal;
+  int64_t window;  // a query sees the keys within this many positions of it; -1: all
   float c;  // scale * log2 e
 };
 
@@ -549,24 +556,31 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all * 16, 0.f);
   const RowTiles<T> queries{w.qrow.data(), w.qld.data(), nullptr, 0};
   const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN};
-  for (int64_t b = 0; b < item.kvblocks; ++b) {
+  const int64_t ahead = a.causal ? 1 : a.window >= 0 ? a.window + 1 : len;  // a row sees the keys before row + ahead
+  for (int64_t b = item.kvfirst; b < item.kvfirst + item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
-    // keys this block holds for these rows (the last block of a sequence or of a causal row range
+    // keys this block holds for these rows (the last block of a sequence, of a causal row range or of a window
     // is partly empty): both products and the softmax stop at the next multiple of 32
     const int64_t cols = std::min<int64_t>(BN, len - n0);
-    const int64_t need = a.causal ? std::min<int64_t>(cols, m0 + rows - n0) : cols;
+    const int64_t need = std::min(cols, m0 + rows - 1 + ahead - n0);
     const int64_t n = (need + 31) / 32 * 32;
     tile_gemm<false>(rows_all, n, d, queries, a.kpack + i * a.block, BN, w.scores.data(), BN);
     for (int64_t x = 0; x < rows_all; ++x) {
       const int64_t r = x % BM;
       if (r >= rows) continue;
       const float* srow = w.scores.data() + x * BN;
-      const int64_t keep = a.causal ? std::min<int64_t>(cols, m0 + r - n0 + 1) : cols;
-      const float factor = softmax_row(srow, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum.data() + x * 16);
-      if (b > 0 && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
+      const int64_t from = a.window >= 0 ? std::max<int64_t>(0, m0 + r - a.window - n0) : 0;
+      const int64_t keep = std::min(cols, m0 + r + ahead - n0);
+      if (keep <= from) {  // none of this block's keys is in the row's window
+        std::memset(w.probs.data() + x * BN, 0, n * sizeof(T));
+        continue;
+      }
+      const float factor =
+          softmax_row(srow, from, keep, w.probs.data() + x * BN, n, a.c, w.row_max[x], w.row_sum.data() + x * 16);
+      if (b > item.kvfirst && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
     }
     const T* vb = a.vpack + i * a.block;
-    if (b == 0) tile_gemm<false>(rows_all, d, n, probs, vb, d, w.acc.data(), d);  // writes the rows
+    if (b == item.kvfirst) tile_gemm<false>(rows_all, d, n, probs, vb, d, w.acc.data(), d);  // writes the rows
     else tile_gemm<true>(rows_all, d, n, probs, vb, d, w.acc.data(), d);
   }
   for (int64_t x = 0; x < rows_all; ++x) {
@@ -579,7 +593,7 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
 // BM query rows per block, BN keys per block (multiples of 32).
 template <typename T, int BM, int BN>
 void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t nseq, int64_t hq, int64_t hkv,
-            int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, float scale) {
+            int64_t d, int64_t sq, int64_t sk, int64_t sv, bool causal, int64_t window, float scale) {
   const int64_t block = BN * d;
   std::vector<int64_t> first(nseq + 1, 0);  // first key block of each sequence
   for (int64_t s = 0; s < nseq; ++s) first[s + 1] = first[s] + (cu[s + 1] - cu[s] + BN - 1) / BN;
@@ -588,9 +602,10 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64
   std::unique_ptr<T[]> packed(new T[2 * npack * block]);
   T* kpack = packed.get();
   T* vpack = kpack + npack * block;
-  const Call<T> call{q, out, cu, first.data(), kpack, vpack, hq, hkv, hq / hkv, d, sq, block, causal, scale * kLog2e};
+  const Call<T> call{q, out, cu, first.data(), kpack, vpack, hq, hkv, hq / hkv, d, sq, block, causal, window,
+                     scale * kLog2e};
 
-  const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal);
+  const std::vector<Item> items = work_items<BM, BN>(cu, first, nseq, hkv, causal, window);
   const int64_t nitems = items.size(), threads = at::get_num_threads();
   // One parallel region: the threads pack every key block, wait for each other, then take work items,
   // a few at a time (one atomic per item costs as much as a short item). Each counter has a cache line
@@ -629,7 +644,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64
 // return codes.
 template <typename T>
 int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t nseq, int64_t hq, int64_t hkv,
-        int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale, int blocks) {
+        int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, int64_t window, float scale, int blocks) {
   if (d % 32 != 0 || d > kMaxHead || hkv <= 0 || hq % hkv != 0) return 1;
   if (blocks < 0) {
     int64_t longest = 0;
@@ -639,10 +654,10 @@ int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t n
   const bool c = causal != 0;
   try {  // no exception may cross into ctypes (it would terminate the process)
     switch (blocks) {  // query rows x keys per block
-      case 0: attend<T, 32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 1: attend<T, 32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 2: attend<T, 32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
-      case 3: attend<T, 64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, scale); break;
+      case 0: attend<T, 32, 32>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
+      case 1: attend<T, 32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
+      case 2: attend<T, 32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
+      case 3: attend<T, 64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
       default: return 1;
     }
   } catch (const std::bad_alloc&) {
@@ -669,43 +684,44 @@ int ember_attention_usable() {
 const char* ember_attention_isa() { return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : "avx2"; }
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), float32.
-// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. blocks (query rows x keys): 0 for 32 x 32, 1 for
-// 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the longest sequence: each is the fastest measured
-// below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md). Returns 0; 1 for unsupported
-// shapes; 2 when its buffers cannot be allocated.
+// out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. window >= 0: a query sees only the keys of its sequence
+// within `window` positions of it (local attention: ModernBERT's and EmbeddingGemma's sliding layers); -1: all.
+// blocks (query rows x keys): 0 for 32 x 32, 1 for 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the
+// longest sequence: each is the fastest measured below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md).
+// Returns 0; 1 for unsupported shapes; 2 when its buffers cannot be allocated.
 int ember_attention_f32(const float* q, const float* k, const float* v, float* out, const int64_t* cu, int64_t nseq,
                         int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal,
-                        float scale, int blocks) {
-  return run<float>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, scale, blocks);
+                        int64_t window, float scale, int blocks) {
+  return run<float>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, window, scale, blocks);
 }
 
 #if EMBER_BF16
 // ember_attention_f32 in bf16 (built where the compiler targets AVX-512 BF16).
 int ember_attention(const bf16* q, const bf16* k, const bf16* v, bf16* out, const int64_t* cu, int64_t nseq,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal, float scale,
-                    int blocks) {
-  return run<bf16>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, scale, blocks);
+                    int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal,
+                    int64_t window, float scale, int blocks) {
+  return run<bf16>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, causal, window, scale, blocks);
 }
 #endif
 
 }  // extern "C"
 
-// The kernel as torch's operator ember::native_attention(q, k, v, cu, causal) (schema and shape function:
+// The kernel as torch's operator ember::native_attention(q, k, v, cu, causal, window) (schema and shape function:
 // ember.ops.attention), its one entry from Python: compiled regions call it through the dispatcher with no
 // Python in between (~45 us a call through Python). float32, and bf16 where built for it.
 namespace {
 
 template <typename T>
 int call_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, const at::Tensor& cu,
-                bool causal) {
+                bool causal, int64_t window) {
   const auto ptr = [](const at::Tensor& x) { return static_cast<const T*>(x.data_ptr()); };
   return run<T>(ptr(q), ptr(k), ptr(v), static_cast<T*>(out.data_ptr()), cu.data_ptr<int64_t>(), cu.size(0) - 1,
-                q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0), v.stride(0), causal ? 1 : 0,
+                q.size(1), k.size(1), q.size(2), q.stride(0), k.stride(0), v.stride(0), causal ? 1 : 0, window,
                 static_cast<float>(1.0 / std::sqrt(double(q.size(2)))), -1);
 }
 
 at::Tensor native_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_in,
-                               bool causal) {
+                               bool causal, int64_t window) {
   const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || (EMBER_BF16 && dtype == at::kBFloat16),
@@ -716,9 +732,9 @@ at::Tensor native_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor cu = cu_in.to(at::kLong).contiguous();
   at::Tensor out = at::empty({t, hq, d}, q.options());
   int status = 1;
-  if (dtype == at::kFloat) status = call_kernel<float>(q, k, v, out, cu, causal);
+  if (dtype == at::kFloat) status = call_kernel<float>(q, k, v, out, cu, causal, window);
 #if EMBER_BF16
-  else status = call_kernel<bf16>(q, k, v, out, cu, causal);
+  else status = call_kernel<bf16>(q, k, v, out, cu, causal, window);
 #endif
   TORCH_CHECK_WITH(OutOfMemoryError, status != 2, "native attention: no memory for its working buffers");
   TORCH_CHECK(status == 0, "native attention on q (", t, ", ", hq, ", ", d, "), ", hkv, " kv heads: shapes refused");
