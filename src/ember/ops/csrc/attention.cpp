@@ -649,6 +649,7 @@ int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t n
   if (blocks < 0) {
     int64_t longest = 0;
     for (int64_t s = 0; s < nseq; ++s) longest = std::max(longest, cu[s + 1] - cu[s]);
+    if (window >= 0) longest = std::min(longest, window + 1);  // measured: a window of 64 runs best on 32 x 64
     blocks = longest < 64 ? 0 : longest < 128 ? 1 : longest < 6144 ? 2 : 3;
   }
   const bool c = causal != 0;
@@ -687,7 +688,8 @@ const char* ember_attention_isa() { return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. window >= 0: a query sees only the keys of its sequence
 // within `window` positions of it (local attention: ModernBERT's and EmbeddingGemma's sliding layers); -1: all.
 // blocks (query rows x keys): 0 for 32 x 32, 1 for 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the
-// longest sequence: each is the fastest measured below 64, 128, 6,144 tokens and beyond (benchmarks/NOTES.md).
+// longest sequence (or window): each is the fastest measured below 64, 128, 6,144 keys and beyond
+// (benchmarks/NOTES.md).
 // Returns 0; 1 for unsupported shapes; 2 when its buffers cannot be allocated.
 int ember_attention_f32(const float* q, const float* k, const float* v, float* out, const int64_t* cu, int64_t nseq,
                         int64_t hq, int64_t hkv, int64_t d, int64_t sq, int64_t sk, int64_t sv, int causal,
