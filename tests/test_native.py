@@ -46,14 +46,21 @@ def _native(kernel: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), causal)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool) -> torch.Tensor:
-    """Float64 attention per sequence on the same values: (T, Hq, D) float64."""
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], causal: bool, window: int | None = None
+) -> torch.Tensor:
+    """Float64 attention per sequence on the same values (a token seeing the tokens within `window` positions of it,
+    when given): (T, Hq, D) float64."""
     group = q.shape[1] // k.shape[1]
     outs, start = [], 0
     for n in seqlens:
         qs, ks, vs = (t[start : start + n].double().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
+        i = torch.arange(n)
+        mask = (i[:, None] >= i[None, :]) if causal else torch.ones(n, n, dtype=torch.bool)
+        if window is not None:
+            mask &= (i[:, None] - i[None, :]).abs() <= window
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
@@ -139,41 +146,30 @@ def test_varlen_attention_uses_it(kernel: ctypes.CDLL, monkeypatch: pytest.Monke
     assert not attention._native_fits(q[..., :48], k[..., :48], v[..., :48])  # a head size it does not take: SDPA
 
 
-def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], window: int) -> torch.Tensor:
-    """Float64 attention per sequence in which a token sees the tokens within `window` positions of it."""
-    group = q.shape[1] // k.shape[1]
-    outs, start = [], 0
-    for n in seqlens:
-        qs, ks, vs = (t[start : start + n].double().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        i = torch.arange(n)
-        band = (i[:, None] - i[None, :]).abs() <= window
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band).transpose(0, 1))
-        start += n
-    return torch.cat(outs)
-
-
 WINDOWS = [
     ((12, 12, 64), [700, 30, 129], 64),  # ModernBERT's local layers: 64 on either side
-    ((4, 2, 128), [1300, 513, 40], 512),  # EmbeddingGemma's sliding layers
+    ((4, 2, 128), [1300, 513, 40], 256),  # EmbeddingGemma's sliding layers: 256 on either side
+    ((4, 2, 64), [1300, 40], 512),  # a window wider than a block of keys
     ((4, 4, 32), [300, 65, 64, 1], 0),  # each token itself alone
     ((4, 4, 32), [90, 33], 31),  # windows ending inside a block of keys
-    ((4, 2, 64), [6300], 100),  # blocks of 64 x 256: a window inside one block
+    ((4, 2, 64), [6300], 100),  # a long sequence, a short window: blocks of 32 x 64
+    ((2, 1, 64), [6500], 6200),  # a window of 6,144 keys or more: blocks of 64 x 256
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "seqlens", "window"), WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
 def test_a_window_matches_banded_attention(
-    kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], window: int, dtype: torch.dtype
+    kernel: ctypes.CDLL, heads: tuple[int, int, int], seqlens: list[int], window: int, dtype: torch.dtype, causal: bool
 ) -> None:
     _runs(dtype)
     q, k, v = _packed(seqlens, *heads, seed=window, dtype=dtype)
-    got = torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), False, window)
-    want = _banded(q, k, v, seqlens, window)
+    got = torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), causal, window)
+    want = _reference(q, k, v, seqlens, causal, window)
     assert _close(got, want, dtype)
     if max(seqlens) > window + 1:  # the window is not every key: the result differs from full attention
-        assert not _close(got, _reference(q, k, v, seqlens, False), dtype)
+        assert not _close(got, _reference(q, k, v, seqlens, causal), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -190,7 +186,7 @@ def test_local_attention_runs_on_it_and_agrees_with_the_sdpa_path(
     assert torch.equal(got, torch.ops.ember.native_attention(q, k, v, attention.seq_offsets(seqlens), False, window))
     monkeypatch.delitem(native._loaded, "attention")
     sdpa = local_attention(q, k, v, seqlens, window)
-    want = _banded(q, k, v, seqlens, window)
+    want = _reference(q, k, v, seqlens, False, window)
     assert _close(got, want, dtype) and _close(sdpa, want, dtype)
 
 

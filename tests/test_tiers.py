@@ -122,7 +122,7 @@ def test_the_avx512_kernels_on_an_amx_cpu(tmp_path: Path) -> None:
                     reason="the CPU is AVX2 already: the plain run checks this tier")  # fmt: skip
 def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
     """As an AVX2-only Xeon: float32 by default, torch's AVX2 kernels, and of ember's kernels only attention (its
-    float32 build, checked against float32 attention); the models still match transformers / sentence-transformers
+    float32 build, checked against float64 attention); the models still match transformers / sentence-transformers
     and a text alone equals it inside a batch."""
     tests = ("tests/test_native.py", "tests/test_models.py", "tests/test_minilm_real.py")
     done = _suite("avx2", *tests, tmp_path=tmp_path)

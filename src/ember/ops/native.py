@@ -127,12 +127,12 @@ def build_kernels(config: NativeConfig) -> list[KernelStatus]:
             status = _tried.get(kernel.name)
             if status is None and config.enabled(kernel.name):
                 lib, detail = _build(kernel, config)
-                if lib is not None:
-                    _loaded[kernel.name] = lib
-                if lib is not None and kernel.name == "attention":
+                if lib is not None and kernel.name == "attention":  # its dtypes first: read once it is loaded
                     global _attention_dtypes
                     bf16 = hasattr(lib, "ember_attention")  # built with AVX-512 BF16
                     _attention_dtypes = frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+                if lib is not None:
+                    _loaded[kernel.name] = lib
                 status = _tried[kernel.name] = KernelStatus(kernel.name, lib is not None, detail)
             elif status is None:
                 switch = NativeConfig.switch(kernel.name)

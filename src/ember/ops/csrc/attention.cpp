@@ -533,8 +533,9 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   const int64_t d = a.d, rows_all = a.group * BM;
   const int64_t s = item.seq, g = item.head, len = a.cu[s + 1] - a.cu[s];
   const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
-  // row x = head (g * group + x / BM), token m0 + x % BM. The query tiles are read in place where all 16
-  // rows are the sequence's; a tile it ends inside is copied and zero padded, and one past its end reads
+  // row x = head (g * group + x / BM), token m0 + x % BM. bf16 query tiles are read in place where all 16
+  // rows are the sequence's; float32 ones are always copied (in place, rows the projection's stride apart fall
+  // into a few L1 sets); a tile the sequence ends inside is copied and zero padded, and one past its end reads
   // the first tile again (its rows' results are never used).
   for (int64_t t = 0; t < rows_all / 16; ++t) {
     const int64_t h = g * a.group + t * 16 / BM, r0 = t * 16 % BM;
