@@ -62,13 +62,13 @@ def test_the_local_layers_on_the_native_kernel_match_sentence_transformers(tmp_p
         pytest.skip("the native attention kernel cannot run on this machine")
     path = build_gemma3(tmp_path) if family == "gemma3" else build_modernbert(tmp_path, heads=2)  # heads of 32
     windows = []
+    native_attention = window.native_attention
 
     def spy(q, k, v, seqlens, causal, window=None):
         out = native_attention(q, k, v, seqlens, causal, window)
         windows.append(window if out is not None else None)  # None: the kernel declined
         return out
 
-    native_attention = window.native_attention
     monkeypatch.setattr(window, "native_attention", spy)
     ref = st_reference(path, TEXTS)
     for dtype in native.native_attention_dtypes():

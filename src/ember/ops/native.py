@@ -89,11 +89,6 @@ PREBUILT_TIERS: dict[str, list[str]] = {
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
 }
 """The CPU tiers `ember build-kernels` builds for, best first, and each one's target flags (ember.hardware tiers)."""
-_TIER_FLAGS = {  # what a CPU of each prebuilt tier has, of the flags the kernels need
-    "amx": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile"}),
-    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}),
-    "avx2": frozenset({"avx2", "fma"}),
-}
 
 
 def attention_kernel() -> ctypes.CDLL | None:
@@ -212,7 +207,8 @@ def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, st
     """Builds every kernel for each tier into `cache` (ember build-kernels): [(kernel, tier, library)]."""
     built = []
     for tier in tiers:
-        for kernel in (k for k in _KERNELS if k.needs <= _TIER_FLAGS[tier]):
+        # a tier builds the kernels whose own tier (that of the flags they need) is no higher
+        for kernel in (k for k in _KERNELS if ISA_TIERS.index(isa_tier(k.needs)) >= ISA_TIERS.index(tier)):
             source = _CSRC / f"{kernel.name}.cpp"
             out = _prebuilt_path(source, cache, tier)
             if _prebuilt(source, cache, tier) is None:
