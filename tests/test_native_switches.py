@@ -140,6 +140,39 @@ def test_the_avx2_tier_prebuilds_attention_alone_and_an_avx2_cpu_loads_it(tmp_pa
     assert dtypes == "['torch.float32']"
 
 
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler (Debian's "
+                    "g++-aarch64-linux-gnu; .ci/run installs it)")  # fmt: skip
+def test_the_attention_kernel_compiles_for_aarch64(tmp_path):
+    """The attention kernel's source builds for any ARMv8-A CPU (the prebuilt aarch64 tier's flags), so nothing
+    x86-only has crept into what both architectures share; its NEON entry points are there."""
+    import torch
+
+    include = Path(torch.__file__).parent / "include"
+    obj = tmp_path / "attention.o"
+    command = ["aarch64-linux-gnu-g++", "-O3", *native.PREBUILT_TIERS["aarch64"], "-std=c++17", "-fPIC", "-fopenmp",
+               "-w", "-c", f"-I{include}", f"-I{include / 'torch/csrc/api/include'}",
+               str(Path(native.__file__).with_name("csrc") / "attention.cpp"), "-o", str(obj)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    elf = obj.read_bytes()
+    assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
+    for symbol in (b"ember_attention_f32", b"ember_attention_isa", b"ember_attention_usable"):
+        assert symbol in elf
+    assert b"ember_attention\x00" not in elf  # no bf16 entry: that half needs AVX-512 BF16
+
+
+def test_build_kernels_refuses_a_tier_of_another_architecture(tmp_path):
+    """`ember build-kernels --tier aarch64` on x86-64 (or an x86 tier on aarch64) says where that tier is built."""
+    import platform
+
+    other = "avx2" if platform.machine() == "aarch64" else "aarch64"
+    done = subprocess.run([sys.executable, "-m", "ember.cli.main", "build-kernels", "--cache-dir", str(tmp_path),
+                           "--tier", other], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert f"--tier {other} is built on an" in done.stderr and "this one builds" in done.stderr
+    assert not list(tmp_path.glob("*.so"))
+
+
 def test_with_no_compiler_and_nothing_prebuilt_the_log_says_how_to_get_them(tmp_path, monkeypatch):
     from ember.config import NativeConfig
     from ember.hardware import cpu_flags, isa_tier

@@ -28,8 +28,9 @@ def add_parser(sub: Any) -> None:
         "--cache-dir", default=None, help="where to put them (default: EMBER_CACHE_DIR, else ~/.cache/ember)"
     )
     p.add_argument(
-        "--tier", action="append", default=None, choices=["amx", "avx512_bf16", "avx2"],
-        help="a CPU tier to build for; repeat for several (default: all three; avx2 builds attention only)",
+        "--tier", action="append", default=None, choices=["amx", "avx512_bf16", "avx2", "aarch64"],
+        help="a CPU tier to build for; repeat for several (default: every tier of this machine's architecture: the "
+        "three x86-64 ones, or aarch64; avx2 and aarch64 build attention only)",
     )  # fmt: skip
     p.set_defaults(run=run)
 
@@ -45,14 +46,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from ember.hardware import find_compiler
-    from ember.ops.native import PREBUILT_TIERS, prebuild
+    from ember.ops.native import prebuild, prebuilt_tiers_here
 
     config = native_config()
     cache = Path(args.cache_dir or config.cache_dir or Path.home() / ".cache" / "ember")
     compiler = find_compiler(config.compiler)
     if compiler is None:
         raise ConfigError("no C++ compiler (g++, c++ or clang++; or CXX) to build the kernels with")
-    tiers = args.tier or list(PREBUILT_TIERS)
+    tiers = args.tier or prebuilt_tiers_here()
+    foreign = [t for t in tiers if t not in prebuilt_tiers_here()]
+    if foreign:
+        raise ConfigError(
+            f"--tier {foreign[0]} is built on {'an aarch64' if foreign[0] == 'aarch64' else 'an x86-64'} machine "
+            f"(this one builds {', '.join(prebuilt_tiers_here())})"
+        )
     try:
         built = prebuild(cache, tiers, compiler)
     except (OSError, subprocess.SubprocessError) as e:

@@ -1,7 +1,7 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
-- attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up, and bf16
-  on AMX or AVX-512 BF16;
+- attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up and on
+  aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
@@ -13,13 +13,14 @@ Two ways to get them, tried in this order:
 
 - Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
   CPU tier it runs on (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI;
-  `avx2`: x86-64-v3, attention only), keyed by the sources and torch's version and C++ ABI, not by the building
-  machine. At start, the best tier this CPU (as capped
-  by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets every CPU
-  of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike.
-- Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps), about 20 s for the
-  three, on the engine's kernel thread beside serving; keyed also by the compiler's version, the exact command and
-  this CPU's flags.
+  `avx2`: x86-64-v3, attention only; `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by
+  the sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as
+  capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets
+  every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
+  every Graviton).
+- Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
+  aarch64), about 20 s for the three, on the engine's kernel thread beside serving; keyed also by the compiler's
+  version, the exact command and this CPU's flags.
 
 Both link against the installed torch and use its OpenMP pool; nothing is compiled at `pip install`. Until a kernel
 is loaded, and wherever it cannot be built or run (no compiler and no prebuilt library, a CPU without what it needs,
@@ -56,6 +57,7 @@ __all__ = [
     "int8_gemm_kernel",
     "native_attention_dtypes",
     "prebuild",
+    "prebuilt_tiers_here",
 ]
 
 log = logging.getLogger("ember.native")
@@ -66,12 +68,17 @@ _CSRC = Path(__file__).with_name("csrc")
 @dataclass(frozen=True)
 class _Kernel:
     name: str  # csrc/<name>.cpp, the exported ember_<name>_usable(), and NativeConfig's field
-    needs: frozenset[str]  # CPU flags
+    needs: frozenset[str]  # the CPU flags it needs on x86-64
     fallback: str  # what runs instead
+    arm: frozenset[str] | None = None  # ... and on aarch64 (None: it is not built there)
+
+    def needs_here(self) -> frozenset[str] | None:
+        """The CPU flags it needs on this machine's architecture; None where it is not built for it."""
+        return {"x86_64": self.needs, "aarch64": self.arm}.get(platform.machine())
 
 
 _KERNELS = (
-    _Kernel("attention", frozenset({"avx2", "fma"}), "torch's SDPA"),  # bf16 too where built with AVX-512 BF16
+    _Kernel("attention", frozenset({"avx2", "fma"}), "torch's SDPA", arm=frozenset({"asimd"})),  # bf16: AVX-512 BF16
     _Kernel("int8_gemm", frozenset({"avx512_vnni", "avx512_bf16", "avx512bw", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
 )
@@ -87,8 +94,15 @@ PREBUILT_TIERS: dict[str, list[str]] = {
     "amx": [*_V4, "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
     "avx512_bf16": _V4,
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
+    "aarch64": ["-march=armv8-a", "-mtune=generic"],
 }
-"""The CPU tiers `ember build-kernels` builds for, best first, and each one's target flags (ember.hardware tiers)."""
+"""The CPU tiers `ember build-kernels` builds for, best first, and each one's target flags (ember.hardware tiers;
+"aarch64" is every ARMv8-A CPU, NEON being part of it)."""
+
+
+def prebuilt_tiers_here() -> list[str]:
+    """The tiers of PREBUILT_TIERS this machine's compiler builds for: the x86-64 ones, or "aarch64"."""
+    return ["aarch64"] if platform.machine() == "aarch64" else [t for t in PREBUILT_TIERS if t in ISA_TIERS]
 
 
 def attention_kernel() -> ctypes.CDLL | None:
@@ -139,9 +153,11 @@ def build_kernels(config: NativeConfig) -> list[KernelStatus]:
 def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None; and what happened, for the log."""
     instead = f"{kernel.fallback} instead"
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return None, f"needs Linux on x86-64 ({platform.system()} {platform.machine()} here); {instead}"
-    missing = kernel.needs - cpu_flags()
+    needs = kernel.needs_here()
+    if platform.system() != "Linux" or needs is None:
+        where = "x86-64" if kernel.arm is None else "x86-64 or aarch64"
+        return None, f"needs Linux on {where} ({platform.system()} {platform.machine()} here); {instead}"
+    missing = needs - cpu_flags()
     if missing:
         capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != native_cpu_flags() else ""
         return None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
@@ -172,8 +188,10 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
 def _runnable_tiers() -> list[str]:
     """The prebuilt tiers this CPU (as capped by EMBER_MAX_ISA) runs, best first."""
     tier = isa_tier(cpu_flags())
+    if tier.startswith("aarch64"):
+        return ["aarch64"]
     rank = ISA_TIERS.index(tier) if tier in ISA_TIERS else len(ISA_TIERS)
-    return [tier for tier in PREBUILT_TIERS if ISA_TIERS.index(tier) >= rank]
+    return [t for t in PREBUILT_TIERS if t in ISA_TIERS and ISA_TIERS.index(t) >= rank]
 
 
 def _prebuilt_path(source: Path, cache: Path, tier: str) -> Path:
@@ -204,11 +222,13 @@ def _prebuilt(source: Path, cache: Path, tier: str) -> Path | None:
 
 
 def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, str, Path]]:
-    """Builds every kernel for each tier into `cache` (ember build-kernels): [(kernel, tier, library)]."""
+    """Builds every kernel for each tier (of prebuilt_tiers_here()) into `cache` (ember build-kernels):
+    [(kernel, tier, library)]."""
     built = []
     for tier in tiers:
-        # a tier builds the kernels whose own tier (that of the flags they need) is no higher
-        for kernel in (k for k in _KERNELS if ISA_TIERS.index(isa_tier(k.needs)) >= ISA_TIERS.index(tier)):
+        if tier not in prebuilt_tiers_here():
+            raise ValueError(f"this {platform.machine()} machine does not build the {tier} tier")
+        for kernel in (k for k in _KERNELS if _in_tier(k, tier)):
             source = _CSRC / f"{kernel.name}.cpp"
             out = _prebuilt_path(source, cache, tier)
             if _prebuilt(source, cache, tier) is None:
@@ -217,19 +237,32 @@ def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, st
     return built
 
 
+def _in_tier(kernel: _Kernel, tier: str) -> bool:
+    """Whether a tier's build holds the kernel: on x86-64, when its own tier (that of the flags it needs) is no
+    higher; on aarch64, when it is built there at all."""
+    if tier == "aarch64":
+        return kernel.arm is not None
+    return ISA_TIERS.index(isa_tier(kernel.needs)) >= ISA_TIERS.index(tier)
+
+
 def _isa(lib: ctypes.CDLL, name: str) -> str:
     """'AMX, ' or 'AVX-512 BF16, ': the instruction set a library that has more than one was built for."""
     isa = getattr(lib, f"ember_{name}_isa", None)
     if isa is None:
         return ""
     isa.restype = ctypes.c_char_p
-    names = {b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx2": "AVX2, "}
+    names = {
+        b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx2": "AVX2, ",
+        b"neon": "NEON, ",
+    }  # fmt: skip
     return names.get(isa(), f"{isa().decode()}, ")
 
 
 def _march() -> list[str]:
     """-march=native, less what a cap on the ISA (ember.hardware.limit_isa) hides from cpu_flags(): an AMX CPU
-    capped to avx512_bf16 builds what an AMD EPYC runs."""
+    capped to avx512_bf16 builds what an AMD EPYC runs. On aarch64, -mcpu=native (its tuning too)."""
+    if platform.machine() == "aarch64":
+        return ["-mcpu=native"]
     hidden = native_cpu_flags() - cpu_flags()
     off = []
     if "amx_tile" in hidden:

@@ -1,14 +1,16 @@
-// Flash attention over packed variable-length sequences, for every x86-64 tier from AVX2 up: bf16 in and out
-// where the CPU has AVX-512 BF16 (AMX tiles, or `vdpbf16ps` register blocks), float32 in and out everywhere
-// (AVX2 + FMA register blocks; the AVX2-only Xeons' path, where torch's bf16 is not fast).
+// Flash attention over packed variable-length sequences, for every x86-64 tier from AVX2 up and for aarch64: bf16
+// in and out where the CPU has AVX-512 BF16 (AMX tiles, or `vdpbf16ps` register blocks), float32 in and out
+// everywhere (register blocks of 8-lane FMAs: AVX2 on x86-64, the AVX2-only Xeons' path where torch's bf16 is not
+// fast; NEON on aarch64, e.g. Graviton).
 //
 // Built at run time by ember.ops.native (g++ -march=native, against the installed torch's headers),
 // loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. One structure (the work items,
 // the blocks, the online softmax: `attend`, `attend_item`) serves both element types; what differs by instruction
 // set are the inner loops, overloaded on the element type: the two matrix products per block (`tile_gemm`: AMX
-// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; AVX2 FMA register blocks
-// for float32), the softmax of a row, and the packing of keys and values. oneDNN's brgemm micro-kernels measured
-// 2-3x slower than the tile loops at these small shapes (64 x 64 x 128).
+// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; 8-lane FMA register
+// blocks for float32, written once against vec.h's f32x8), the softmax of a row, and the packing of keys and
+// values. oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops at these small shapes
+// (64 x 64 x 128).
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
@@ -32,7 +34,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "vec.h"
@@ -59,8 +60,8 @@
 #include <type_traits>
 #include <vector>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "needs AVX2 and FMA"
+#if !EMBER_F32X8
+#error "needs AVX2 and FMA (x86-64), or aarch64"
 #endif
 
 using ember_vec::bf16;
@@ -86,37 +87,44 @@ struct RowTiles {
   int64_t stride(int64_t t) const { return row ? ld[t] : lda; }
 };
 
-// ---- float32, AVX2 + FMA ---------------------------------------------------------------------------------------
+// ---- float32: AVX2 + FMA, or NEON (8 lanes, ember_vec::f32x8) --------------------------------------------------
+
+using ember_vec::f32x8;
+using ember_vec::load8;
+using ember_vec::store8;
+using ember_vec::set8;
+using ember_vec::fma8;
 
 // R rows x 16 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 16, row stride ldb):
-// 2 R registers of sums; each step broadcasts one of A's columns per row and loads one row of B (two vectors).
+// 2 R vectors of sums; each step broadcasts one of A's columns per row and loads one row of B (two vectors).
 template <int R, bool Accumulate>
 inline void rows_x16(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
-  __m256 acc[R][2];
+  f32x8 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = Accumulate ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
-    acc[r][1] = Accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+    acc[r][0] = Accumulate ? load8(c + r * ldc) : ember_vec::zero8();
+    acc[r][1] = Accumulate ? load8(c + r * ldc + 8) : ember_vec::zero8();
   }
   for (int64_t k = 0; k < K; ++k, b += ldb) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    const f32x8 b0 = load8(b), b1 = load8(b + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a[r] + k);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      const f32x8 x = set8(a[r][k]);
+      acc[r][0] = fma8(x, b0, acc[r][0]);
+      acc[r][1] = fma8(x, b1, acc[r][1]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+    store8(c + r * ldc, acc[r][0]);
+    store8(c + r * ldc + 8, acc[r][1]);
   }
 }
 
 // C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
-// multiples of 32. Blocks of 6 rows x 16 columns (12 registers of sums: 12 FMAs for 8 loads a step), the last 2 of
-// each 32 rows as a block of 2. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them.
+// multiples of 32. Blocks of 6 rows x 16 columns (12 vectors of sums: 12 FMAs for 8 loads a step; 24 of NEON's 32
+// registers), the last 2 of each 32 rows as a block of 2. Rows outside, column strips inside: 32 rows of A stay in
+// L1 while B passes them.
 template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
                int64_t ldc) {
@@ -131,18 +139,8 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const 
 }
 
 // 8 scores from s + j, those outside [from, keep) as -inf (masked in the registers, not written into the row).
-inline __m256 load_scores8(const float* s, int64_t j, int64_t from, int64_t keep) {
-  const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int32_t(j)));
-  const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(from)), at),
-                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(keep)), at));
-  return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), _mm256_loadu_ps(s + j),
-                          _mm256_castsi256_ps(in));
-}
-
-inline float reduce_max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+inline f32x8 load_scores8(const float* s, int64_t j, int64_t from, int64_t keep) {
+  return ember_vec::load8_in(s, j, from, keep, -std::numeric_limits<float>::infinity());
 }
 
 // softmax_row below, in float32 and 8 lanes: the same lazy reference and one-pass blocks, 2^x of degree 5
@@ -150,77 +148,53 @@ inline float reduce_max8(__m256 v) {
 inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, int64_t n, float c, float& ref,
                          float* sum) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const __m256 vc = _mm256_set1_ps(c);
+  const f32x8 vc = set8(c);
   if (ref != kNegInf) {
-    const __m256 off = _mm256_set1_ps(-ref);
-    __m256 acc = _mm256_setzero_ps(), top = _mm256_set1_ps(kNegInf);
+    const f32x8 off = set8(-ref);
+    f32x8 acc = ember_vec::zero8(), top = set8(kNegInf);
     for (int64_t j = 0; j < n; j += 8) {
-      const __m256 t = _mm256_fmadd_ps(load_scores8(s, j, from, keep), vc, off);
-      top = _mm256_max_ps(top, t);
-      const __m256 e = ember_vec::exp2_ps<5, false>(t);
-      acc = _mm256_add_ps(acc, e);
-      _mm256_storeu_ps(p + j, e);
+      const f32x8 t = fma8(load_scores8(s, j, from, keep), vc, off);
+      top = ember_vec::max8(top, t);
+      const f32x8 e = ember_vec::exp2_ps<5, false>(t);
+      acc = ember_vec::add8(acc, e);
+      store8(p + j, e);
     }
-    if (_mm256_movemask_ps(_mm256_cmp_ps(top, _mm256_set1_ps(8.f), _CMP_GT_OQ)) == 0) {
-      _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), acc));
+    if (!ember_vec::any_above8(top, 8.f)) {
+      store8(sum, ember_vec::add8(load8(sum), acc));
       return 1.f;
     }
   }
-  __m256 m = load_scores8(s, 0, from, keep);
-  for (int64_t j = 8; j < n; j += 8) m = _mm256_max_ps(m, load_scores8(s, j, from, keep));
-  const float mx = reduce_max8(m) * c;
+  f32x8 m = load_scores8(s, 0, from, keep);
+  for (int64_t j = 8; j < n; j += 8) m = ember_vec::max8(m, load_scores8(s, j, from, keep));
+  const float mx = ember_vec::max_of8(m) * c;
   float factor = 1.f;
   if (mx > ref + 8.f) {
     factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
     ref = mx;
   }
-  const __m256 off = _mm256_set1_ps(-ref);
-  __m256 acc = _mm256_setzero_ps();
+  const f32x8 off = set8(-ref);
+  f32x8 acc = ember_vec::zero8();
   for (int64_t j = 0; j < n; j += 8) {
-    const __m256 e = ember_vec::exp2_ps<5, false>(_mm256_fmadd_ps(load_scores8(s, j, from, keep), vc, off));
-    acc = _mm256_add_ps(acc, e);
-    _mm256_storeu_ps(p + j, e);
+    const f32x8 e = ember_vec::exp2_ps<5, false>(fma8(load_scores8(s, j, from, keep), vc, off));
+    acc = ember_vec::add8(acc, e);
+    store8(p + j, e);
   }
-  _mm256_storeu_ps(sum, _mm256_fmadd_ps(_mm256_loadu_ps(sum), _mm256_set1_ps(factor), acc));
+  store8(sum, fma8(load8(sum), set8(factor), acc));
   return factor;
 }
 
 // A row of the output times a (both element types: rare, when a row's reference is raised).
 inline void scale_row(float* o, int64_t d, float a) {
-  const __m256 va = _mm256_set1_ps(a);
-  for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), va));
+  const f32x8 va = set8(a);
+  for (int64_t j = 0; j < d; j += 8) store8(o + j, ember_vec::mul8(load8(o + j), va));
 }
 
 // The sum of a row's 16 partial sums (both element types).
-inline float row_total(const float* sum) {
-  __m256 v = _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_loadu_ps(sum + 8));
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
+inline float row_total(const float* sum) { return ember_vec::sum_of8(ember_vec::add8(load8(sum), load8(sum + 8))); }
 
 inline void store_row(const float* o, float* dst, int64_t d, float a) {
-  const __m256 va = _mm256_set1_ps(a);
-  for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), va));
-}
-
-// Transposes the 8 x 8 matrix held in r[0..7] (rows) in place.
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
+  const f32x8 va = set8(a);
+  for (int64_t j = 0; j < d; j += 8) store8(dst + j, ember_vec::mul8(load8(o + j), va));
 }
 
 // One key block (N rows of D, zero past `rows`) in the layouts tile_gemm reads: K^T as [D][N] (8 x 8 transposes),
@@ -229,11 +203,10 @@ template <int N>
 void pack_kv(const float* k, const float* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, float* kp, float* vp) {
   for (int64_t n0 = 0; n0 < N; n0 += 8) {
     for (int64_t j0 = 0; j0 < d; j0 += 8) {
-      __m256 r[8];
-      for (int64_t n = 0; n < 8; ++n)
-        r[n] = n0 + n < rows ? _mm256_loadu_ps(k + (n0 + n) * sk + j0) : _mm256_setzero_ps();
-      transpose8(r);
-      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(kp + (j0 + j) * N + n0, r[j]);
+      f32x8 r[8];
+      for (int64_t n = 0; n < 8; ++n) r[n] = n0 + n < rows ? load8(k + (n0 + n) * sk + j0) : ember_vec::zero8();
+      ember_vec::transpose8(r);
+      for (int64_t j = 0; j < 8; ++j) store8(kp + (j0 + j) * N + n0, r[j]);
     }
   }
   for (int64_t n = 0; n < N; ++n) {
@@ -626,7 +599,7 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64
       ++done;
     });
     packed_count.fetch_add(done, std::memory_order_release);
-    while (packed_count.load(std::memory_order_acquire) < npack) _mm_pause();
+    while (packed_count.load(std::memory_order_acquire) < npack) ember_vec::cpu_relax();
 
     Scratch<T>& w = thread_scratch<T>();
     w.resize(call.group * BM, BN, d);
@@ -681,9 +654,15 @@ int ember_attention_usable() {
 #endif
 }
 
-// The instruction set its matrix products were built for: "amx" or "avx512_bf16" (bf16 and float32), or "avx2"
-// (float32 only).
-const char* ember_attention_isa() { return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : "avx2"; }
+// The instruction set its matrix products were built for: "amx" or "avx512_bf16" (bf16 and float32), or "avx2" or
+// "neon" (float32 only).
+const char* ember_attention_isa() {
+#if defined(__aarch64__)
+  return "neon";
+#else
+  return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : "avx2";
+#endif
+}
 
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), float32.
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. window >= 0: a query sees only the keys of its sequence
