@@ -26,6 +26,7 @@ def amx_cpu(monkeypatch: pytest.MonkeyPatch):
     """This process as if on an AMX Xeon, with no cap; the cap restored afterwards."""
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX)
     monkeypatch.setattr(native, "native_cpu_flags", lambda: AMX)
+    monkeypatch.setattr(hardware, "amx_granted", lambda: True)
     for var in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.setenv(var, "")  # so that what cap_isa sets is undone afterwards
         monkeypatch.delenv(var)
@@ -116,6 +117,32 @@ def test_the_avx512_kernels_on_an_amx_cpu(tmp_path: Path) -> None:
     assert " passed" in done.stdout and "cannot run" not in done.stdout  # no kernel test skipped
     built = {p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()}
     assert {"ember_attention", "ember_int8_gemm"} <= built
+
+
+def test_where_the_os_refuses_amx_tiles_the_process_is_an_avx512_bf16_cpu(amx_cpu, monkeypatch, tmp_path) -> None:
+    """An AMX Xeon whose kernel or sandbox refuses the tile state (arch_prctl XTILEDATA): its AMX flags are hidden,
+    so the kernels are the avx512_bf16 tier's (vdpbf16ps and VNNI, not off), prebuilt or built with AMX off; `ember
+    doctor` says why the tier is lower."""
+    from ember.cli import doctor
+
+    for module in (hardware, doctor):
+        monkeypatch.setattr(module, "amx_granted", lambda: False)
+    monkeypatch.setattr(doctor, "native_cpu_flags", lambda: AMX)
+    assert hardware.isa_tier() == "avx512_bf16" and not hardware.AMX_FLAGS & hardware.cpu_flags()
+    assert hardware.auto_dtype() == "bfloat16"
+    assert native._runnable_tiers() == ["avx512_bf16", "avx2"]
+    assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+    assert "the OS refuses this process its tile state" in doctor._tier_note(hardware.cpu_flags())
+    runtime.cap_isa("avx2")
+    assert doctor._tier_note(hardware.cpu_flags()).startswith(" (capped by EMBER_MAX_ISA; the CPU reaches amx)")
+
+
+def test_asking_for_amx_tiles_on_a_cpu_without_them_is_not_needed() -> None:
+    """amx_granted() asks Linux only where the CPU has AMX; elsewhere there is nothing to refuse."""
+    if "amx_tile" in hardware.native_cpu_flags():
+        assert hardware.amx_granted() == hardware._request_amx_tiles()
+    else:
+        assert hardware.amx_granted() and hardware.cpu_flags() == hardware.native_cpu_flags()
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),

@@ -6,7 +6,10 @@ AMX Xeon then chooses, builds and tests what an AMD EPYC (avx512_bf16) or an AVX
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -14,7 +17,9 @@ from typing import Literal
 from ember.errors import ConfigError
 
 __all__ = [
+    "AMX_FLAGS",
     "ISA_TIERS",
+    "amx_granted",
     "auto_dtype",
     "check_tier",
     "cpu_flags",
@@ -34,6 +39,8 @@ _ABOVE = {  # flags a CPU capped to the tier does not show
     "avx512": frozenset({"avx512_bf16", "avx512_fp16"}),
     "avx2": frozenset(),  # every avx512* flag, by prefix
 }
+AMX_FLAGS = _ABOVE["avx512_bf16"]
+"""The flags of AMX: a process the OS refuses AMX's tile state sees none of them (cpu_flags)."""
 _ONEDNN = {"amx": "AVX512_CORE_AMX", "avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "avx2": "AVX2"}
 _max_isa: str | None = None
 
@@ -76,9 +83,28 @@ def native_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def amx_granted() -> bool:
+    """Whether this process may use the CPU's AMX tiles: Linux grants their state on request (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks too), and a sandbox or a kernel that refuses it leaves AMX
+    unusable. True where there is no AMX to ask about."""
+    return "amx_tile" not in native_cpu_flags() or _request_amx_tiles()
+
+
+@lru_cache(maxsize=1)
+def _request_amx_tiles() -> bool:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 def cpu_flags() -> frozenset[str]:
-    """This CPU's ISA flags, less those above the tier `limit_isa` capped the process to."""
-    flags = native_cpu_flags()
+    """This CPU's ISA flags, less AMX's where the OS refuses its tile state (amx_granted), and less those above the
+    tier `limit_isa` capped the process to."""
+    flags = native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
     if _max_isa is None:
         return flags
     drop: set[str] = set()

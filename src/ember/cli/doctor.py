@@ -13,7 +13,15 @@ from typing import Any, Literal
 from ember.cli.flags import parse_json_flag, parse_size
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
 from ember.errors import EmberError
-from ember.hardware import auto_dtype, cpu_flags, has_fast_bf16, isa_tier, native_cpu_flags
+from ember.hardware import (
+    AMX_FLAGS,
+    amx_granted,
+    auto_dtype,
+    cpu_flags,
+    has_fast_bf16,
+    isa_tier,
+    native_cpu_flags,
+)
 from ember.resources import cpu_budget, memory_budget
 
 __all__ = ["add_parser", "run"]
@@ -68,12 +76,7 @@ def _machine() -> dict[str, Any]:
         "cpu": {
             "model": _cpu_model(),
             "isa": {f: f in flags for f in _ISA},
-            "tier": isa_tier(flags)
-            + (
-                ""
-                if flags == native_cpu_flags()
-                else f" (capped by EMBER_MAX_ISA; the CPU reaches {isa_tier(native_cpu_flags())})"
-            ),
+            "tier": isa_tier(flags) + _tier_note(flags),
         },
         "limits": {
             "affinity_cpus": cpu.affinity,
@@ -98,6 +101,16 @@ def _machine() -> dict[str, Any]:
         f"{'present' if has_fast_bf16(flags) else 'absent'})",
         "gemm_gflops": gflops,
     }
+
+
+def _tier_note(flags: frozenset[str]) -> str:
+    """Why the tier is below what the CPU reaches: a cap (EMBER_MAX_ISA), or AMX's tile state refused."""
+    reach = native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
+    if flags != reach:
+        return f" (capped by EMBER_MAX_ISA; the CPU reaches {isa_tier(native_cpu_flags())})"
+    if not amx_granted():
+        return " (the CPU has AMX, but the OS refuses this process its tile state: AMX kernels stay off)"
+    return ""
 
 
 def _dtype_warning(gflops: dict[str, float]) -> str | None:
