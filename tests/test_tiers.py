@@ -182,3 +182,17 @@ def test_on_arm_attention_is_built_for_neon_and_the_x86_kernels_decline(monkeypa
     assert native._march() == ["-mcpu=native"]
     assert native._runnable_tiers() == native.prebuilt_tiers_here() == ["aarch64"]
     assert hardware.isa_tier() == "aarch64+sve+bf16+i8mm" and hardware.auto_dtype() == "float32"
+
+
+def test_doctor_points_at_the_faster_dtype_the_probe_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto follows the CPU flags; the GEMM probe only advises: float32 where bf16 measured no faster, and
+    bf16 where auto is float32 but bf16 measured 1.5x faster (Graviton 3/4's bf16 matrix instructions)."""
+    from ember.cli import doctor
+
+    monkeypatch.setattr(doctor, "auto_dtype", lambda: "bfloat16")
+    assert "--dtype float32 may be faster" in (doctor._dtype_warning({"float32": 100, "bfloat16": 110}) or "")
+    assert doctor._dtype_warning({"float32": 100, "bfloat16": 300}) is None
+    monkeypatch.setattr(doctor, "auto_dtype", lambda: "float32")
+    warning = doctor._dtype_warning({"float32": 100, "bfloat16": 180}) or ""
+    assert "bf16 GEMM measured 1.8x float32" in warning and "--dtype bfloat16 may be faster" in warning
+    assert doctor._dtype_warning({"float32": 100, "bfloat16": 120}) is None

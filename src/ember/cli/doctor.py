@@ -121,6 +121,12 @@ def _dtype_warning(gflops: dict[str, float]) -> str | None:
             f"({gflops['bfloat16']:.0f} vs {gflops['float32']:.0f} GFLOPS; a busy machine measures low): "
             "--dtype float32 may be faster"
         )
+    if auto_dtype() == "float32" and gflops["bfloat16"] >= 1.5 * gflops["float32"]:  # e.g. Graviton 3/4's BFMMLA
+        return (
+            f"bf16 GEMM measured {gflops['bfloat16'] / gflops['float32']:.1f}x float32 here "
+            f"({gflops['bfloat16']:.0f} vs {gflops['float32']:.0f} GFLOPS) though --dtype auto is float32 on this "
+            "CPU: --dtype bfloat16 may be faster (check its vectors against float32's for your model)"
+        )
     return None
 
 
