@@ -22,7 +22,8 @@ def kernel() -> ctypes.CDLL:
     lib = native.attention_kernel()
     if lib is None:
         pytest.skip(
-            "the native attention kernel cannot run on this machine (it needs g++, x86-64 Linux and AVX2 + FMA)"
+            "the native attention kernel cannot run on this machine (it needs g++, and Linux on x86-64 with AVX2 + "
+            "FMA or on aarch64)"
         )
     return lib
 
@@ -195,7 +196,7 @@ def test_the_build_says_which_dtypes_it_computes(kernel: ctypes.CDLL) -> None:
     isa = kernel.ember_attention_isa().decode()
     bf16 = {torch.float32, torch.bfloat16}
     assert native.native_attention_dtypes() == (bf16 if isa in ("amx", "avx512_bf16") else {torch.float32})
-    if isa == "avx2":
+    if isa in ("avx2", "neon"):
         q, k, v = _packed([10], 2, 2, 32, seed=1)
         with pytest.raises(RuntimeError, match="this build has no bf16"):
             _native(kernel, q, k, v, [10], True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ AMX = frozenset(
 @pytest.fixture
 def amx_cpu(monkeypatch: pytest.MonkeyPatch):
     """This process as if on an AMX Xeon, with no cap; the cap restored afterwards."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")  # on an aarch64 test machine too
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX)
     monkeypatch.setattr(native, "native_cpu_flags", lambda: AMX)
     monkeypatch.setattr(hardware, "amx_granted", lambda: True)
@@ -89,6 +91,7 @@ def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypat
 
 def test_below_avx2_no_kernel_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """An x86-64 CPU without AVX2 and FMA (x86-64-v2) runs torch's own ops, saying so."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     monkeypatch.setattr(native, "native_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     monkeypatch.setattr(native, "_tried", {})
@@ -134,15 +137,29 @@ def test_where_the_os_refuses_amx_tiles_the_process_is_an_avx512_bf16_cpu(amx_cp
     assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
     assert "the OS refuses this process its tile state" in doctor._tier_note(hardware.cpu_flags())
     runtime.cap_isa("avx2")
-    assert doctor._tier_note(hardware.cpu_flags()).startswith(" (capped by EMBER_MAX_ISA; the CPU reaches amx)")
+    assert doctor._tier_note(hardware.cpu_flags()) == " (capped by EMBER_MAX_ISA; this process could reach avx512_bf16)"
 
 
-def test_asking_for_amx_tiles_on_a_cpu_without_them_is_not_needed() -> None:
-    """amx_granted() asks Linux only where the CPU has AMX; elsewhere there is nothing to refuse."""
-    if "amx_tile" in hardware.native_cpu_flags():
-        assert hardware.amx_granted() == hardware._request_amx_tiles()
-    else:
-        assert hardware.amx_granted() and hardware.cpu_flags() == hardware.native_cpu_flags()
+def test_linux_is_asked_for_amx_tiles_only_where_the_cpu_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []
+    monkeypatch.setattr(hardware, "_request_amx_tiles", lambda: asked.append(True) or False)
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX - hardware.AMX_FLAGS)
+    assert hardware.amx_granted() and not asked
+    monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX)
+    assert not hardware.amx_granted() and asked
+    assert hardware.isa_tier() == "avx512_bf16"
+
+
+@pytest.mark.skipif("amx_tile" not in hardware.native_cpu_flags(), reason="this CPU has no AMX")
+def test_on_an_amx_cpu_the_process_holds_the_tile_state_once_granted() -> None:
+    """Where amx_granted() says yes, Linux's own record agrees: ARCH_GET_XCOMP_PERM shows XTILEDATA (bit 18)."""
+    import ctypes
+
+    if not hardware.amx_granted():
+        pytest.skip("this machine's Linux refuses the AMX tile state")
+    mask = ctypes.c_uint64(0)
+    assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
+    assert mask.value >> 18 & 1
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),
@@ -164,8 +181,6 @@ def test_on_arm_attention_is_built_for_neon_and_the_x86_kernels_decline(monkeypa
     """On aarch64 (Graviton) the attention kernel is built there (NEON, -mcpu=native, or the prebuilt aarch64 tier);
     the x86-only kernels each say why and what runs instead; --dtype auto is float32 (torch's bf16 GEMMs there are
     not known to be faster). (Its computing is checked on aarch64 itself: tests/arm64/run.sh.)"""
-    import platform
-
     graviton = frozenset({"fp", "asimd", "sve", "bf16", "i8mm"})
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: graviton)

@@ -92,8 +92,8 @@ def amx_granted() -> bool:
 
 @lru_cache(maxsize=1)
 def _request_amx_tiles() -> bool:
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return False
+    if sys.platform != "linux" or platform.machine() != "x86_64" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False  # (158 is another syscall to a 32-bit process)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA

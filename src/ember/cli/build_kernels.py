@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -48,18 +49,21 @@ def _build(args: argparse.Namespace) -> int:
     from ember.hardware import find_compiler
     from ember.ops.native import prebuild, prebuilt_tiers_here
 
+    here = prebuilt_tiers_here()
+    if not here:
+        raise ConfigError(f"ember's native kernels are built for x86-64 and aarch64, not {platform.machine()}")
+    tiers = args.tier or here
+    foreign = [t for t in tiers if t not in here]
+    if foreign:
+        raise ConfigError(
+            f"--tier {foreign[0]} is built on {'an aarch64' if foreign[0] == 'aarch64' else 'an x86-64'} machine "
+            f"(this one builds {', '.join(here)})"
+        )
     config = native_config()
     cache = Path(args.cache_dir or config.cache_dir or Path.home() / ".cache" / "ember")
     compiler = find_compiler(config.compiler)
     if compiler is None:
         raise ConfigError("no C++ compiler (g++, c++ or clang++; or CXX) to build the kernels with")
-    tiers = args.tier or prebuilt_tiers_here()
-    foreign = [t for t in tiers if t not in prebuilt_tiers_here()]
-    if foreign:
-        raise ConfigError(
-            f"--tier {foreign[0]} is built on {'an aarch64' if foreign[0] == 'aarch64' else 'an x86-64'} machine "
-            f"(this one builds {', '.join(prebuilt_tiers_here())})"
-        )
     try:
         built = prebuild(cache, tiers, compiler)
     except (OSError, subprocess.SubprocessError) as e:

@@ -107,7 +107,7 @@ def _tier_note(flags: frozenset[str]) -> str:
     """Why the tier is below what the CPU reaches: a cap (EMBER_MAX_ISA), or AMX's tile state refused."""
     reach = native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
     if flags != reach:
-        return f" (capped by EMBER_MAX_ISA; the CPU reaches {isa_tier(native_cpu_flags())})"
+        return f" (capped by EMBER_MAX_ISA; this process could reach {isa_tier(reach)})"
     if not amx_granted():
         return " (the CPU has AMX, but the OS refuses this process its tile state: AMX kernels stay off)"
     return ""
@@ -121,7 +121,8 @@ def _dtype_warning(gflops: dict[str, float]) -> str | None:
             f"({gflops['bfloat16']:.0f} vs {gflops['float32']:.0f} GFLOPS; a busy machine measures low): "
             "--dtype float32 may be faster"
         )
-    if auto_dtype() == "float32" and gflops["bfloat16"] >= 1.5 * gflops["float32"]:  # e.g. Graviton 3/4's BFMMLA
+    faster_bf16 = gflops["float32"] > 0 and gflops["bfloat16"] >= 1.5 * gflops["float32"]  # Graviton 3/4's BFMMLA
+    if auto_dtype() == "float32" and faster_bf16:
         return (
             f"bf16 GEMM measured {gflops['bfloat16'] / gflops['float32']:.1f}x float32 here "
             f"({gflops['bfloat16']:.0f} vs {gflops['float32']:.0f} GFLOPS) though --dtype auto is float32 on this "

@@ -101,8 +101,10 @@ PREBUILT_TIERS: dict[str, list[str]] = {
 
 
 def prebuilt_tiers_here() -> list[str]:
-    """The tiers of PREBUILT_TIERS this machine's compiler builds for: the x86-64 ones, or "aarch64"."""
-    return ["aarch64"] if platform.machine() == "aarch64" else [t for t in PREBUILT_TIERS if t in ISA_TIERS]
+    """The tiers of PREBUILT_TIERS this machine's compiler builds for: the x86-64 ones, or "aarch64"; none on
+    other architectures."""
+    x86 = [t for t in PREBUILT_TIERS if t in ISA_TIERS]
+    return {"x86_64": x86, "aarch64": ["aarch64"]}.get(platform.machine(), [])
 
 
 def attention_kernel() -> ctypes.CDLL | None:
