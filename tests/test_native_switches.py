@@ -117,18 +117,23 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
     assert sorted(p.name for p in cache.glob("*.so")) == libraries  # nothing else was built
 
 
-def test_the_avx2_tier_prebuilds_attention_alone_and_an_avx2_cpu_loads_it(tmp_path, compiler):
-    """`ember build-kernels --tier avx2` builds the float32 attention kernel (the one kernel an AVX2-only Xeon runs);
-    a process capped to AVX2, with no compiler, loads it from there."""
+def test_the_avx2_and_aarch64_tiers_prebuild_attention_alone_and_load_it_with_no_compiler(tmp_path, compiler):
+    """`ember build-kernels --tier avx2` (on x86-64) or `--tier aarch64` (on ARM) builds the float32 attention
+    kernel, the one kernel an AVX2-only Xeon or a Graviton runs; a process of that tier (an x86 one capped to AVX2),
+    with no compiler, loads it from there."""
+    import platform
+
     from ember.hardware import cpu_flags
 
-    if not {"avx2", "fma"} <= cpu_flags():
+    arm = platform.machine() == "aarch64"
+    if not arm and not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run the AVX2 build")
+    tier, isa = ("aarch64", "NEON") if arm else ("avx2", "AVX2")
     cache = tmp_path / "baked"
     done = subprocess.run([sys.executable, "-m", "ember.cli.main", "build-kernels", "--cache-dir", str(cache),
-                           "--tier", "avx2"], capture_output=True, text=True, timeout=600)  # fmt: skip
+                           "--tier", tier], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert [p.name.split("-")[:2] for p in cache.glob("*.so")] == [["ember_attention", "avx2"]]
+    assert [p.name.split("-")[:2] for p in cache.glob("*.so")] == [["ember_attention", tier]]
     probe = (
         "from ember.cli.runtime import native_config, prepare_process; prepare_process(None, None); "
         "from ember.ops import native; import torch; "
@@ -136,12 +141,15 @@ def test_the_avx2_tier_prebuilds_attention_alone_and_an_avx2_cpu_loads_it(tmp_pa
         "print(sorted(str(d) for d in native.native_attention_dtypes()))"
     )
     no_compiler = {"PATH": str(Path(sys.executable).parent), "CXX": "", "EMBER_CACHE_DIR": str(cache),
-                   "EMBER_MAX_ISA": "avx2", "HOME": str(tmp_path)}  # fmt: skip
+                   "HOME": str(tmp_path), **({} if arm else {"EMBER_MAX_ISA": "avx2"})}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=no_compiler)
     assert done.returncode == 0, done.stderr
     report, dtypes = done.stdout.splitlines()[-2:]
-    assert f"('attention', True, 'AVX2, prebuilt, loaded from {cache}" in report
-    assert "lacks avx512_bf16 avx512_vnni avx512bw avx512f; torch's int8 matmul instead" in report  # capped or not
+    assert f"('attention', True, '{isa}, prebuilt, loaded from {cache}" in report
+    if arm:
+        assert "needs Linux on x86-64 (Linux aarch64 here); torch's int8 matmul instead" in report
+    else:
+        assert "lacks avx512_bf16 avx512_vnni avx512bw avx512f; torch's int8 matmul instead" in report  # capped or not
     assert dtypes == "['torch.float32']"
 
 

@@ -78,8 +78,10 @@ print("attention kernel:", report["attention"].detail)
 raise SystemExit(0 if report["attention"].active else "the native attention kernel did not build")
 '
 # shellcheck disable=SC2016  # $@ is the chroot shell's: the test arguments, passed through unchanged
-chroot "$ROOT" /usr/bin/env HF_HUB_OFFLINE=1 PYTHONPATH=src PYTHONDONTWRITEBYTECODE=1 PROBE="$PROBE" /bin/bash -c '
+chroot "$ROOT" /usr/bin/env HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 PROBE="$PROBE" /bin/bash -c '
   set -e
   cd /work/ember && . /opt/venv/bin/activate
+  # ember from the mounted source, for the subprocesses of the tests too (nothing is written into the repository)
+  echo /work/ember/src > "$(python -c "import sysconfig; print(sysconfig.get_paths()[\"purelib\"])")/ember-src.pth"
   python -c "$PROBE"
   python -m pytest -q -p no:cacheprovider -rs "$@"' _ "${TESTS[@]}"
