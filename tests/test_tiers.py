@@ -130,7 +130,6 @@ def test_where_the_os_refuses_amx_tiles_the_process_is_an_avx512_bf16_cpu(amx_cp
 
     for module in (hardware, doctor):
         monkeypatch.setattr(module, "amx_granted", lambda: False)
-    monkeypatch.setattr(doctor, "native_cpu_flags", lambda: AMX)
     assert hardware.isa_tier() == "avx512_bf16" and not hardware.AMX_FLAGS & hardware.cpu_flags()
     assert hardware.auto_dtype() == "bfloat16"
     assert native._runnable_tiers() == ["avx512_bf16", "avx2"]

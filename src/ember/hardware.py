@@ -29,6 +29,7 @@ __all__ = [
     "limit_isa",
     "native_cpu_flags",
     "onednn_isa",
+    "usable_cpu_flags",
 ]
 
 # x86-64 tiers, best first: what each adds over the next is what a cap to the next removes.
@@ -101,10 +102,15 @@ def _request_amx_tiles() -> bool:
         return False
 
 
+def usable_cpu_flags() -> frozenset[str]:
+    """This CPU's ISA flags that this process may use, uncapped: less AMX's where the OS refuses its tile state
+    (amx_granted)."""
+    return native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
+
+
 def cpu_flags() -> frozenset[str]:
-    """This CPU's ISA flags, less AMX's where the OS refuses its tile state (amx_granted), and less those above the
-    tier `limit_isa` capped the process to."""
-    flags = native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
+    """usable_cpu_flags(), less those above the tier `limit_isa` capped the process to."""
+    flags = usable_cpu_flags()
     if _max_isa is None:
         return flags
     drop: set[str] = set()

@@ -13,15 +13,7 @@ from typing import Any, Literal
 from ember.cli.flags import parse_json_flag, parse_size
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
 from ember.errors import EmberError
-from ember.hardware import (
-    AMX_FLAGS,
-    amx_granted,
-    auto_dtype,
-    cpu_flags,
-    has_fast_bf16,
-    isa_tier,
-    native_cpu_flags,
-)
+from ember.hardware import amx_granted, auto_dtype, cpu_flags, has_fast_bf16, isa_tier, usable_cpu_flags
 from ember.resources import cpu_budget, memory_budget
 
 __all__ = ["add_parser", "run"]
@@ -105,7 +97,7 @@ def _machine() -> dict[str, Any]:
 
 def _tier_note(flags: frozenset[str]) -> str:
     """Why the tier is below what the CPU reaches: a cap (EMBER_MAX_ISA), or AMX's tile state refused."""
-    reach = native_cpu_flags() if amx_granted() else native_cpu_flags() - AMX_FLAGS
+    reach = usable_cpu_flags()
     if flags != reach:
         return f" (capped by EMBER_MAX_ISA; this process could reach {isa_tier(reach)})"
     if not amx_granted():

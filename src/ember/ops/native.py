@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ember.config import NativeConfig
-from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags
+from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags, usable_cpu_flags
 from ember.types import KernelStatus
 
 __all__ = [
@@ -161,7 +161,7 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
         return None, f"needs Linux on {where} ({platform.system()} {platform.machine()} here); {instead}"
     missing = needs - cpu_flags()
     if missing:
-        capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != native_cpu_flags() else ""
+        capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != usable_cpu_flags() else ""
         return None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
     source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
     prebuilt = next(filter(None, (_prebuilt(source, cache, tier) for tier in _runnable_tiers())), None)
