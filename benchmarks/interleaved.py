@@ -9,10 +9,10 @@ per-round ratios cancels that drift. Only one server works at a time; the idle o
     python benchmarks/interleaved.py --peer-url http://127.0.0.1:8100 --peer-model NAME --peer-cmd "CMD" [--dtype int8]
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
-oneDNN and ATen capped (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), so an AMX Xeon measures what an AMD EPYC or
-an AVX2-only Xeon would. The compute limit (benchmarks/roofline.py: the GEMM rate over the model's FLOPs per
-token) is probed under the same cap before the servers start, and each workload's ember rate is given as a
-fraction of it.
+oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), so an AMX
+Xeon measures what an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/roofline.py: the GEMM
+rate over the model's FLOPs per token) is probed under the same cap before the servers start, and each
+workload's ember rate is given as a fraction of it.
 """
 
 from __future__ import annotations
@@ -86,11 +86,10 @@ def main() -> None:
     ap.add_argument("--tier", default=None, help="cap both servers to an ISA tier: avx512_bf16, avx512, avx2")
     args = ap.parse_args()
     if args.tier:
-        from ember.hardware import onednn_isa
+        from ember.cli.runtime import isa_env
 
         os.environ["EMBER_MAX_ISA"] = args.tier  # inherited by both servers and the probe
-        os.environ["ONEDNN_MAX_CPU_ISA"] = onednn_isa(args.tier)
-        os.environ["ATEN_CPU_CAPABILITY"] = "avx2" if args.tier == "avx2" else "avx512"
+        os.environ.update(isa_env(args.tier))  # oneDNN, MKL, ATen and inductor's cache, for the peer too
     limit = _compute_limit(args.dtype)
     print(f"compute limit: {limit['tokens_per_s']:.0f} tok/s ({limit['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]

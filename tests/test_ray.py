@@ -97,7 +97,7 @@ def test_ember_embed_ray_hands_the_cap_to_its_actors(monkeypatch, model, tmp_pat
     from ember.cli.main import build_parser
 
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw"}))
-    for var in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "EMBER_MAX_ISA"):
+    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "EMBER_MAX_ISA"):
         monkeypatch.delenv(var, raising=False)
     args = build_parser().parse_args(["embed", "in.jsonl", "-o", str(tmp_path), "--model", str(model), "--ray"])
     embedder, env = ray_settings(args)
@@ -106,6 +106,7 @@ def test_ember_embed_ray_hands_the_cap_to_its_actors(monkeypatch, model, tmp_pat
     embedder, env = ray_settings(args)
     assert embedder["max_isa"] == "avx2" and embedder["model"] == str(model) and env["EMBER_MAX_ISA"] == "avx2"
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the operator's own setting is kept
     assert ray_settings(args)[1]["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
     monkeypatch.setenv("EMBER_MAX_ISA", "amx")

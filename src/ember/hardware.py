@@ -43,6 +43,9 @@ _ABOVE = {  # flags a CPU capped to the tier does not show
 AMX_FLAGS = _ABOVE["avx512_bf16"]
 """The flags of AMX: a process the OS refuses AMX's tile state sees none of them (cpu_flags)."""
 _ONEDNN = {"amx": "AVX512_CORE_AMX", "avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "avx2": "AVX2"}
+# oneMKL's MKL_ENABLE_INSTRUCTIONS: torch's float32 GEMMs are MKL's, which ONEDNN_MAX_CPU_ISA does not reach
+# (AVX512_E3: AVX-512 with VNNI and BF16, no AMX; E4 adds AMX).
+_MKL = {"amx": "AVX512_E4", "avx512_bf16": "AVX512_E3", "avx512": "AVX512", "avx2": "AVX2"}
 _max_isa: str | None = None
 
 
@@ -69,6 +72,11 @@ def check_tier(tier: str) -> str:
 def onednn_isa(tier: str) -> str:
     """oneDNN's ONEDNN_MAX_CPU_ISA value for a tier (torch's GEMMs then stay inside it too)."""
     return _ONEDNN[tier]
+
+
+def mkl_isa(tier: str) -> str:
+    """oneMKL's MKL_ENABLE_INSTRUCTIONS value for a tier (torch's float32 GEMMs are MKL's, not oneDNN's)."""
+    return _MKL[tier]
 
 
 @lru_cache(maxsize=1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ember.config import ONEDNN_KERNEL_CACHE, NativeConfig
 from ember.errors import ConfigError
-from ember.hardware import check_tier, limit_isa, onednn_isa
+from ember.hardware import check_tier, limit_isa, mkl_isa, onednn_isa
 from ember.resources import cpu_budget
 from ember.sizing import ThreadPlan, plan_threads
 
@@ -177,13 +177,16 @@ def max_isa() -> str | None:
 
 
 def isa_env(tier: str) -> dict[str, str]:
-    """The variables that keep torch inside a tier (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, and an inductor cache
-    of the tier's own), each as already set if it is: for this process, or for Ray workers started from it."""
+    """The variables that keep torch inside a tier (ONEDNN_MAX_CPU_ISA for its bf16 and int8 GEMMs,
+    MKL_ENABLE_INSTRUCTIONS for its float32 ones, ATEN_CPU_CAPABILITY, and an inductor cache of the tier's own),
+    each as already set if it is: for this process, or for Ray workers started from it. MKL reads its variable
+    at its first product, so it still applies when set after `import torch`."""
     # inductor's cache does not tell kernels built for AVX2 from AVX-512 ones: sharing its default directory
     # with uncapped runs loaded the other tier's kernels (NaN outputs, heap corruption). One per tier.
     user = "".join(c if c.isalnum() else "_" for c in os.environ.get("USER", "") or str(os.getuid()))
     wanted = {
         "ONEDNN_MAX_CPU_ISA": onednn_isa(tier),
+        "MKL_ENABLE_INSTRUCTIONS": mkl_isa(tier),
         "ATEN_CPU_CAPABILITY": "avx2" if tier == "avx2" else "avx512",
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{tier}"),
     }
@@ -197,7 +200,12 @@ def cap_isa(tier: str | None) -> None:
         return
     limit_isa(check_tier(tier))
     os.environ.update(isa_env(tier))
-    log.info("instruction set capped to %s (EMBER_MAX_ISA); oneDNN: %s", tier, os.environ["ONEDNN_MAX_CPU_ISA"])
+    log.info(
+        "instruction set capped to %s (EMBER_MAX_ISA); oneDNN: %s, MKL: %s",
+        tier,
+        os.environ["ONEDNN_MAX_CPU_ISA"],
+        os.environ["MKL_ENABLE_INSTRUCTIONS"],
+    )
 
 
 def native_config() -> NativeConfig:
