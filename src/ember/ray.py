@@ -61,8 +61,8 @@ class EmberEmbedder:
     `ember embed` writes it), pandas DataFrames, or dicts of numpy arrays (Ray's default: an (N, D) array).
     `max_isa` (a tier of ember.hardware.ISA_TIERS) runs the actor as a CPU of that tier would, as EMBER_MAX_ISA does
     `ember serve`, and is refused on a node whose CPU is below it; torch's own limits (ONEDNN_MAX_CPU_ISA,
-    MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, a TORCHINDUCTOR_CACHE_DIR of the tier's own) belong in the workers' runtime_env, as
-    `ember embed --ray` sets them (ember.cli.runtime.isa_env).
+    MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, a TORCHINDUCTOR_CACHE_DIR of the tier's own) belong in the
+    workers' runtime_env, as `ember embed --ray` sets them (ember.cli.runtime.isa_env).
     """
 
     def __init__(
