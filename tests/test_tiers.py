@@ -104,9 +104,7 @@ def test_below_avx2_no_kernel_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _suite(tier: str, *tests: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, EMBER_MAX_ISA=tier, EMBER_CACHE_DIR=str(tmp_path / "cache"))
-    env["ONEDNN_MAX_CPU_ISA"] = hardware.onednn_isa(tier)  # before torch starts: set by the parent
-    env["MKL_ENABLE_INSTRUCTIONS"] = hardware.mkl_isa(tier)
-    env["ATEN_CPU_CAPABILITY"] = "avx2" if tier == "avx2" else "avx512"
+    env.update(runtime.isa_env(tier))  # oneDNN, MKL and ATen before torch starts: set by the parent
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # not the uncapped runs' kernels
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *tests]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
