@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ember.ops.native as native
+from ember import hardware
 from ember.cli.runtime import native_config
 from ember.ops import attention
 from ember.ops.attention import varlen_attention
@@ -191,12 +192,14 @@ def test_local_attention_runs_on_it_and_agrees_with_the_sdpa_path(
     assert _close(got, want, dtype) and _close(sdpa, want, dtype)
 
 
-def test_the_build_says_which_dtypes_it_computes(kernel: ctypes.CDLL) -> None:
+def test_the_build_is_this_tiers_and_says_which_dtypes_it_computes(kernel: ctypes.CDLL) -> None:
     kernel.ember_attention_isa.restype = ctypes.c_char_p
     isa = kernel.ember_attention_isa().decode()
     bf16 = {torch.float32, torch.bfloat16}
     assert native.native_attention_dtypes() == (bf16 if isa in ("amx", "avx512_bf16") else {torch.float32})
-    if isa in ("avx2", "neon"):
+    tier = hardware.isa_tier()  # this process's tier (as capped by EMBER_MAX_ISA): its loops are that tier's
+    assert isa == ("neon" if tier.startswith("aarch64") else tier)
+    if isa in ("avx512", "avx2", "neon"):
         q, k, v = _packed([10], 2, 2, 32, seed=1)
         with pytest.raises(RuntimeError, match="this build has no bf16"):
             _native(kernel, q, k, v, [10], True)

@@ -132,7 +132,7 @@ def test_where_the_os_refuses_amx_tiles_the_process_is_an_avx512_bf16_cpu(amx_cp
         monkeypatch.setattr(module, "amx_granted", lambda: False)
     assert hardware.isa_tier() == "avx512_bf16" and not hardware.AMX_FLAGS & hardware.cpu_flags()
     assert hardware.auto_dtype() == "bfloat16"
-    assert native._runnable_tiers() == ["avx512_bf16", "avx2"]
+    assert native._runnable_tiers() == ["avx512_bf16", "avx512", "avx2"]
     assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
     assert "the OS refuses this process its tile state" in doctor._tier_note(hardware.cpu_flags())
     runtime.cap_isa("avx2")
@@ -159,6 +159,18 @@ def test_on_an_amx_cpu_the_process_holds_the_tile_state_once_granted() -> None:
     mask = ctypes.c_uint64(0)
     assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
     assert mask.value >> 18 & 1
+
+
+@pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16"),
+                    reason="the CPU is at the avx512 tier or below: the plain run checks it")  # fmt: skip
+def test_the_avx512_tier_attention_matches_the_reference(tmp_path: Path) -> None:
+    """As a Skylake-SP to Ice Lake Xeon (AVX-512 without BF16): the attention kernel is built for float32 alone, on
+    its 16-lane loops, and checked against float64 attention; no kernel test is skipped."""
+    done = _suite("avx512", "tests/test_native.py", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "cannot run" not in done.stdout
+    built = {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so")}
+    assert built == {"ember_attention"}
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),

@@ -1,7 +1,7 @@
 """ember's C++ kernels (csrc/): built on this machine at first use, cached, loaded with ctypes.
 
-- attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up and on
-  aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
+- attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up (16-lane
+  loops from AVX-512 up) and on aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
 
@@ -13,7 +13,8 @@ Two ways to get them, tried in this order:
 
 - Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
   CPU tier it runs on (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI;
-  `avx2`: x86-64-v3, attention only; `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by
+  `avx512`: x86-64-v4, attention only (Skylake-SP to Ice Lake Xeons); `avx2`: x86-64-v3, attention only;
+  `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by
   the sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as
   capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets
   every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
@@ -93,6 +94,7 @@ _V4 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"]
 PREBUILT_TIERS: dict[str, list[str]] = {
     "amx": [*_V4, "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
     "avx512_bf16": _V4,
+    "avx512": ["-march=x86-64-v4", "-mtune=generic"],
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
     "aarch64": ["-march=armv8-a", "-mtune=generic"],
 }
@@ -254,8 +256,8 @@ def _isa(lib: ctypes.CDLL, name: str) -> str:
         return ""
     isa.restype = ctypes.c_char_p
     names = {
-        b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx2": "AVX2, ",
-        b"neon": "NEON, ",
+        b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx512": "AVX-512, ",
+        b"avx2": "AVX2, ", b"neon": "NEON, ",
     }  # fmt: skip
     return names.get(isa(), f"{isa().decode()}, ")
 

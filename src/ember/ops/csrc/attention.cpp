@@ -87,13 +87,115 @@ struct RowTiles {
   int64_t stride(int64_t t) const { return row ? ld[t] : lda; }
 };
 
-// ---- float32: AVX2 + FMA, or NEON (8 lanes, ember_vec::f32x8) --------------------------------------------------
+// ---- float32 ----------------------------------------------------------------------------------------------------
+// The products and the softmax in 16 lanes where the compiler targets AVX-512 (Skylake-SP and later Xeons, Zen 4/5),
+// else in 8 (AVX2 + FMA, or NEON: ember_vec::f32x8); the row helpers after them are 8-lane everywhere.
 
 using ember_vec::f32x8;
 using ember_vec::load8;
 using ember_vec::store8;
 using ember_vec::set8;
 using ember_vec::fma8;
+
+#if EMBER_F32X16
+// Scores outside [from, keep) (a window's band, the causal mask, and keys past the sequence's end) count as -inf:
+// masked in the loads, not written into the row (scalar stores there stalled the vector loads behind them).
+inline __m512 load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
+  const int64_t valid = std::clamp<int64_t>(keep - j, 0, 16), before = std::clamp<int64_t>(from - j, 0, 16);
+  const __mmask16 m = static_cast<__mmask16>(((1u << valid) - 1) & ~((1u << before) - 1));
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
+}
+
+// R rows x 32 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 32, row stride ldb):
+// 2 R registers of sums; each step broadcasts one of A's columns per row and loads one row of B (two registers).
+template <int R, bool Accumulate>
+inline void rows_x32(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = Accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+    acc[r][1] = Accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k, b += ldb) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r][k]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+  }
+}
+
+// C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
+// multiples of 32. Blocks of ROWS rows x 32 columns (2 ROWS registers of sums), 32 rows as 12 + 12 + 8: 24 FMAs for
+// 14 loads a step, 27 of the 32 registers. Rows outside, column strips inside: 32 rows of A stay in L1 while B
+// passes them.
+template <bool Accumulate>
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
+               int64_t ldc) {
+  for (int64_t i = 0; i < M; i += 32) {
+    const float* row[32];
+    for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
+    for (int64_t j = 0; j < N; j += 32) {
+      rows_x32<12, Accumulate>(row, B + j, K, ldb, C + i * ldc + j, ldc);
+      rows_x32<12, Accumulate>(row + 12, B + j, K, ldb, C + (i + 12) * ldc + j, ldc);
+      rows_x32<8, Accumulate>(row + 24, B + j, K, ldb, C + (i + 24) * ldc + j, ldc);
+    }
+  }
+}
+
+// softmax_row below (the bf16 one), in float32 and 16 lanes: the same lazy reference and one-pass blocks, 2^x of
+// degree 5 (~3e-6, float32 attention's accuracy); the row's 16 partial sums are sum[0..15].
+inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, int64_t n, float c, float& ref,
+                         float* sum) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m512 vc = _mm512_set1_ps(c);
+  if (ref != kNegInf) {
+    const __m512 off = _mm512_set1_ps(-ref);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), top = _mm512_set1_ps(kNegInf);
+    for (int64_t j = 0; j < n; j += 32) {
+      const __m512 t0 = _mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off);
+      const __m512 t1 = _mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off);
+      top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
+      const __m512 p0 = ember_vec::exp2_ps<5, false>(t0), p1 = ember_vec::exp2_ps<5, false>(t1);
+      acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
+      _mm512_storeu_ps(p + j, p0), _mm512_storeu_ps(p + j + 16, p1);
+    }
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(8.f), _CMP_GT_OQ) == 0) {
+      _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_add_ps(acc0, acc1)));
+      return 1.f;
+    }
+  }
+  __m512 m0 = load_scores(s, 0, from, keep), m1 = load_scores(s, 16, from, keep);
+  for (int64_t j = 32; j < n; j += 32) {
+    m0 = _mm512_max_ps(m0, load_scores(s, j, from, keep));
+    m1 = _mm512_max_ps(m1, load_scores(s, j + 16, from, keep));
+  }
+  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * c;
+  float factor = 1.f;
+  if (mx > ref + 8.f) {
+    factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
+    ref = mx;
+  }
+  const __m512 off = _mm512_set1_ps(-ref);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512 p0 = ember_vec::exp2_ps<5, false>(_mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off));
+    const __m512 p1 = ember_vec::exp2_ps<5, false>(_mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off));
+    acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
+    _mm512_storeu_ps(p + j, p0), _mm512_storeu_ps(p + j + 16, p1);
+  }
+  _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(factor), _mm512_add_ps(acc0, acc1)));
+  return factor;
+}
+
+#else  // 8 lanes
 
 // R rows x 16 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 16, row stride ldb):
 // 2 R vectors of sums; each step broadcasts one of A's columns per row and loads one row of B (two vectors).
@@ -182,6 +284,7 @@ inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, i
   store8(sum, fma8(load8(sum), set8(factor), acc));
   return factor;
 }
+#endif  // 16 or 8 lanes
 
 // A row of the output times a (both element types: rare, when a row's reference is raised).
 inline void scale_row(float* o, int64_t d, float a) {
@@ -302,14 +405,6 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const b
   }
 }
 #endif
-
-// Scores outside [from, keep) (a window's band, the causal mask, and keys past the sequence's end) count as -inf:
-// masked in the loads, not written into the row (scalar stores there stalled the vector loads behind them).
-inline __m512 load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
-  const int64_t valid = std::clamp<int64_t>(keep - j, 0, 16), before = std::clamp<int64_t>(from - j, 0, 16);
-  const __mmask16 m = static_cast<__mmask16>(((1u << valid) - 1) & ~((1u << before) - 1));
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
-}
 
 // 2^t for t <= 8 (scores are at most 8 above the row's reference): vec.h's degree-3 polynomial.
 inline __m512 exp2_approx(__m512 t) { return ember_vec::exp2_ps<3, false>(t); }
@@ -654,13 +749,13 @@ int ember_attention_usable() {
 #endif
 }
 
-// The instruction set its matrix products were built for: "amx" or "avx512_bf16" (bf16 and float32), or "avx2" or
-// "neon" (float32 only).
+// The instruction set its matrix products were built for: "amx" or "avx512_bf16" (bf16 and float32), or "avx512",
+// "avx2" or "neon" (float32 only).
 const char* ember_attention_isa() {
 #if defined(__aarch64__)
   return "neon";
 #else
-  return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : "avx2";
+  return EMBER_AMX ? "amx" : EMBER_BF16 ? "avx512_bf16" : EMBER_F32X16 ? "avx512" : "avx2";
 #endif
 }
 

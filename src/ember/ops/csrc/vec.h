@@ -1,7 +1,7 @@
 // What ember's kernels share: 2^x (one polynomial, in AVX-512, AVX2 and NEON registers), 8 float32 lanes with the
 // few operations the float32 kernels use (one AVX2 register on x86-64, two NEON registers on aarch64), silu, and
-// bf16 <-> float32 for 16 values. The AVX-512 part is there when the compiler targets AVX-512 BF16; the 8-lane part
-// on every x86-64-v3 and aarch64 target.
+// bf16 <-> float32 for 16 values. The 8-lane part is there on every x86-64-v3 and aarch64 target; the 16-lane 2^x
+// where the compiler targets AVX-512 (EMBER_F32X16); silu and bf16 where it targets AVX-512 BF16.
 #pragma once
 
 #if defined(__x86_64__)
@@ -164,7 +164,8 @@ inline void transpose8(f32x8 r[8]) {
 inline void cpu_relax() { __asm__ __volatile__("yield"); }
 #endif  // 8 float32 lanes
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+#define EMBER_F32X16 1
 
 // 2^t: t = n + f (n rounded to nearest, f in [-0.5, 0.5]), 2^f by a polynomial of degree kDegree, times 2^n by
 // scalef. t is clamped below at -126, and above at 126 when kClampHigh (callers whose t is bounded skip it).
@@ -178,6 +179,12 @@ inline __m512 exp2_ps(__m512 t) {
       [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
   return _mm512_scalef_ps(p, n);
 }
+
+#else
+#define EMBER_F32X16 0
+#endif  // AVX-512F
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 
 // silu(a) * b = a * b / (1 + 2^(-a log2 e)); the reciprocal is rcp14's (relative error < 2^-14, far inside
 // a bf16 rounding).
