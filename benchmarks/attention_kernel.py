@@ -97,7 +97,7 @@ def _time_case(
     q, k, v = qkv.split((hq, hkv, hkv), dim=1)
     cu = attention.seq_offsets(lens)
     ways = {
-        "sdpa": lambda: attention.packed_sdpa(qkv, cu, hkv, causal),
+        "sdpa": lambda: _without_kernel(lambda: attention.packed_sdpa(qkv, cu, hkv, causal)),
         "kernel": lambda: torch.ops.ember.native_attention(q, k, v, cu, causal),
     }
     if window is not None:  # ember.ops.window's SDPA path (band masks, blocks) against the kernel with the window
