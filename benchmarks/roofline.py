@@ -39,6 +39,9 @@ def int8_gops(size: int, repeats: int) -> float:
 
 
 if __name__ == "__main__":
+    from ember.cli.runtime import cap_isa, max_isa
+
+    cap_isa(max_isa())  # EMBER_MAX_ISA as the server applies it: under a cap, int8 runs what that tier's CPU would
     print(
         compute_limit(
             sys.argv[1] if len(sys.argv) > 1 else "sentence-transformers/all-MiniLM-L6-v2",

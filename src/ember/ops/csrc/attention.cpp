@@ -1,16 +1,17 @@
 // Flash attention over packed variable-length sequences, for every x86-64 tier from AVX2 up and for aarch64: bf16
 // in and out where the CPU has AVX-512 BF16 (AMX tiles, or `vdpbf16ps` register blocks), float32 in and out
-// everywhere (register blocks of 8-lane FMAs: AVX2 on x86-64, the AVX2-only Xeons' path where torch's bf16 is not
-// fast; NEON on aarch64, e.g. Graviton).
+// everywhere (register blocks of 16-lane FMAs on AVX-512, the path of Xeons without AVX-512 BF16; of 8-lane FMAs
+// elsewhere: AVX2 on x86-64, for the AVX2-only Xeons where torch's bf16 is not fast, and NEON on aarch64, e.g.
+// Graviton).
 //
 // Built at run time by ember.ops.native (g++ -march=native, against the installed torch's headers),
 // loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. One structure (the work items,
 // the blocks, the online softmax: `attend`, `attend_item`) serves both element types; what differs by instruction
 // set are the inner loops, overloaded on the element type: the two matrix products per block (`tile_gemm`: AMX
-// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; 8-lane FMA register
-// blocks for float32, written once against vec.h's f32x8), the softmax of a row, and the packing of keys and
-// values. oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops at these small shapes
-// (64 x 64 x 128).
+// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; for float32, 16-lane FMA
+// register blocks where it targets AVX-512, else 8-lane ones written once against vec.h's f32x8), the softmax of a
+// row, and the packing of keys and values. oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops
+// at these small shapes (64 x 64 x 128).
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the
 //     packed (T, Hq, D) output, with no per-sequence call, gather or copy;
