@@ -59,6 +59,7 @@
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if !EMBER_F32X8
@@ -89,8 +90,9 @@ struct RowTiles {
 };
 
 // ---- float32 ----------------------------------------------------------------------------------------------------
-// The products and the softmax in 16 lanes where the compiler targets AVX-512 (Skylake-SP and later Xeons, Zen 4/5),
-// else in 8 (AVX2 + FMA, or NEON: ember_vec::f32x8); the row helpers after them are 8-lane everywhere.
+// The products and the softmax are written once against F32Lanes: 16 lanes (one AVX-512 register) where the compiler
+// targets AVX-512 (Skylake-SP and later Xeons, Zen 4/5), else 8 (ember_vec::f32x8: one AVX2 register, or two NEON
+// registers). The row helpers after them are 8-lane everywhere.
 
 using ember_vec::f32x8;
 using ember_vec::load8;
@@ -107,185 +109,136 @@ inline __m512 load_scores(const float* s, int64_t j, int64_t from, int64_t keep)
   return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
 }
 
-// R rows x 32 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 32, row stride ldb):
+struct F32Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  // 32 rows of a register block as 12 + 12 + 8: 24 sums (of 32 registers), two loads of B and one broadcast a step.
+  // (8 + 8 + 8 + 8 ran at 0.88x.)
+  using Split = std::integer_sequence<int, 12, 12, 8>;
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static void store(float* y, V v) { _mm512_storeu_ps(y, v); }
+  static V set(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+  static bool any_above(V v, float x) { return _mm512_cmp_ps_mask(v, set(x), _CMP_GT_OQ) != 0; }
+  static V load_scores(const float* s, int64_t j, int64_t from, int64_t keep) { return ::load_scores(s, j, from, keep); }
+  static V exp2(V t) { return ember_vec::exp2_ps<5, false>(t); }
+};
+#else
+struct F32Lanes {
+  using V = f32x8;
+  static constexpr int kWidth = 8;
+  // 32 rows as 5 x 6 + 2: 12 sums (of AVX2's 16 registers; 24 of NEON's 32), 12 FMAs for 8 loads a step.
+  using Split = std::integer_sequence<int, 6, 6, 6, 6, 6, 2>;
+  static V load(const float* x) { return load8(x); }
+  static void store(float* y, V v) { store8(y, v); }
+  static V set(float x) { return set8(x); }
+  static V zero() { return ember_vec::zero8(); }
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static V add(V a, V b) { return ember_vec::add8(a, b); }
+  static V max(V a, V b) { return ember_vec::max8(a, b); }
+  static float max_of(V v) { return ember_vec::max_of8(v); }
+  static bool any_above(V v, float x) { return ember_vec::any_above8(v, x); }
+  static V load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
+    return ember_vec::load8_in(s, j, from, keep, -std::numeric_limits<float>::infinity());
+  }
+  static V exp2(V t) { return ember_vec::exp2_ps<5, false>(t); }
+};
+#endif
+using FV = F32Lanes::V;
+constexpr int kW = F32Lanes::kWidth;
+
+// R rows x 2W columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 2W, row stride ldb):
 // 2 R registers of sums; each step broadcasts one of A's columns per row and loads one row of B (two registers).
 template <int R, bool Accumulate>
-inline void rows_x32(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
-  __m512 acc[R][2];
+inline void rows_block(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
+  using L = F32Lanes;
+  FV acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = Accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
-    acc[r][1] = Accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+    acc[r][0] = Accumulate ? L::load(c + r * ldc) : L::zero();
+    acc[r][1] = Accumulate ? L::load(c + r * ldc + kW) : L::zero();
   }
   for (int64_t k = 0; k < K; ++k, b += ldb) {
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    const FV b0 = L::load(b), b1 = L::load(b + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r][k]);
-      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      const FV x = L::set(a[r][k]);
+      acc[r][0] = L::fma(x, b0, acc[r][0]);
+      acc[r][1] = L::fma(x, b1, acc[r][1]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+    L::store(c + r * ldc, acc[r][0]);
+    L::store(c + r * ldc + kW, acc[r][1]);
   }
 }
 
+// The 32 rows at `row` times one strip of B, as F32Lanes::Split's blocks.
+template <bool Accumulate, int... Rows>
+inline void rows_32(std::integer_sequence<int, Rows...>, const float* const* row, const float* b, int64_t K,
+                    int64_t ldb, float* c, int64_t ldc) {
+  int r = 0;
+  ((rows_block<Rows, Accumulate>(row + r, b, K, ldb, c + r * ldc, ldc), r += Rows), ...);
+}
+
 // C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
-// multiples of 32. Blocks of ROWS rows x 32 columns (2 ROWS registers of sums), 32 rows as 12 + 12 + 8: 24 FMAs for
-// 14 loads a step, 27 of the 32 registers. Rows outside, column strips inside: 32 rows of A stay in L1 while B
-// passes them.
+// multiples of 32. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them.
 template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
     const float* row[32];
     for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
-    for (int64_t j = 0; j < N; j += 32) {
-      rows_x32<12, Accumulate>(row, B + j, K, ldb, C + i * ldc + j, ldc);
-      rows_x32<12, Accumulate>(row + 12, B + j, K, ldb, C + (i + 12) * ldc + j, ldc);
-      rows_x32<8, Accumulate>(row + 24, B + j, K, ldb, C + (i + 24) * ldc + j, ldc);
-    }
+    for (int64_t j = 0; j < N; j += 2 * kW)
+      rows_32<Accumulate>(F32Lanes::Split{}, row, B + j, K, ldb, C + i * ldc + j, ldc);
   }
 }
 
-// softmax_row below (the bf16 one), in float32 and 16 lanes: the same lazy reference and one-pass blocks, 2^x of
-// degree 5 (~3e-6, float32 attention's accuracy); the row's 16 partial sums are sum[0..15].
+// softmax_row below (the bf16 one), in float32: the same lazy reference and one-pass blocks, 2^x of degree 5 (~3e-6,
+// float32 attention's accuracy); the row's partial sums are sum[0 .. W - 1] (any others stay 0).
 inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, int64_t n, float c, float& ref,
                          float* sum) {
+  using L = F32Lanes;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const __m512 vc = _mm512_set1_ps(c);
+  const FV vc = L::set(c);
   if (ref != kNegInf) {
-    const __m512 off = _mm512_set1_ps(-ref);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), top = _mm512_set1_ps(kNegInf);
-    for (int64_t j = 0; j < n; j += 32) {
-      const __m512 t0 = _mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off);
-      const __m512 t1 = _mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off);
-      top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
-      const __m512 p0 = ember_vec::exp2_ps<5, false>(t0), p1 = ember_vec::exp2_ps<5, false>(t1);
-      acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
-      _mm512_storeu_ps(p + j, p0), _mm512_storeu_ps(p + j + 16, p1);
+    const FV off = L::set(-ref);
+    FV acc = L::zero(), top = L::set(kNegInf);
+    for (int64_t j = 0; j < n; j += kW) {
+      const FV t = L::fma(L::load_scores(s, j, from, keep), vc, off);
+      top = L::max(top, t);
+      const FV e = L::exp2(t);
+      acc = L::add(acc, e);
+      L::store(p + j, e);
     }
-    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(8.f), _CMP_GT_OQ) == 0) {
-      _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_add_ps(acc0, acc1)));
+    if (!L::any_above(top, 8.f)) {
+      L::store(sum, L::add(L::load(sum), acc));
       return 1.f;
     }
   }
-  __m512 m0 = load_scores(s, 0, from, keep), m1 = load_scores(s, 16, from, keep);
-  for (int64_t j = 32; j < n; j += 32) {
-    m0 = _mm512_max_ps(m0, load_scores(s, j, from, keep));
-    m1 = _mm512_max_ps(m1, load_scores(s, j + 16, from, keep));
-  }
-  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * c;
+  FV m = L::load_scores(s, 0, from, keep);
+  for (int64_t j = kW; j < n; j += kW) m = L::max(m, L::load_scores(s, j, from, keep));
+  const float mx = L::max_of(m) * c;
   float factor = 1.f;
   if (mx > ref + 8.f) {
     factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
     ref = mx;
   }
-  const __m512 off = _mm512_set1_ps(-ref);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 32) {
-    const __m512 p0 = ember_vec::exp2_ps<5, false>(_mm512_fmadd_ps(load_scores(s, j, from, keep), vc, off));
-    const __m512 p1 = ember_vec::exp2_ps<5, false>(_mm512_fmadd_ps(load_scores(s, j + 16, from, keep), vc, off));
-    acc0 = _mm512_add_ps(acc0, p0), acc1 = _mm512_add_ps(acc1, p1);
-    _mm512_storeu_ps(p + j, p0), _mm512_storeu_ps(p + j + 16, p1);
+  const FV off = L::set(-ref);
+  FV acc = L::zero();
+  for (int64_t j = 0; j < n; j += kW) {
+    const FV e = L::exp2(L::fma(L::load_scores(s, j, from, keep), vc, off));
+    acc = L::add(acc, e);
+    L::store(p + j, e);
   }
-  _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(factor), _mm512_add_ps(acc0, acc1)));
+  L::store(sum, L::fma(L::load(sum), L::set(factor), acc));
   return factor;
 }
-
-#else  // 8 lanes
-
-// R rows x 16 columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 16, row stride ldb):
-// 2 R vectors of sums; each step broadcasts one of A's columns per row and loads one row of B (two vectors).
-template <int R, bool Accumulate>
-inline void rows_x16(const float* const* a, const float* b, int64_t K, int64_t ldb, float* c, int64_t ldc) {
-  f32x8 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = Accumulate ? load8(c + r * ldc) : ember_vec::zero8();
-    acc[r][1] = Accumulate ? load8(c + r * ldc + 8) : ember_vec::zero8();
-  }
-  for (int64_t k = 0; k < K; ++k, b += ldb) {
-    const f32x8 b0 = load8(b), b1 = load8(b + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const f32x8 x = set8(a[r][k]);
-      acc[r][0] = fma8(x, b0, acc[r][0]);
-      acc[r][1] = fma8(x, b1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    store8(c + r * ldc, acc[r][0]);
-    store8(c + r * ldc + 8, acc[r][1]);
-  }
-}
-
-// C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
-// multiples of 32. Blocks of 6 rows x 16 columns (12 vectors of sums: 12 FMAs for 8 loads a step; 24 of NEON's 32
-// registers), the last 2 of each 32 rows as a block of 2. Rows outside, column strips inside: 32 rows of A stay in
-// L1 while B passes them.
-template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
-               int64_t ldc) {
-  for (int64_t i = 0; i < M; i += 32) {
-    const float* row[32];
-    for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
-    for (int64_t j = 0; j < N; j += 16) {
-      for (int r = 0; r < 30; r += 6) rows_x16<6, Accumulate>(row + r, B + j, K, ldb, C + (i + r) * ldc + j, ldc);
-      rows_x16<2, Accumulate>(row + 30, B + j, K, ldb, C + (i + 30) * ldc + j, ldc);
-    }
-  }
-}
-
-// 8 scores from s + j, those outside [from, keep) as -inf (masked in the registers, not written into the row).
-inline f32x8 load_scores8(const float* s, int64_t j, int64_t from, int64_t keep) {
-  return ember_vec::load8_in(s, j, from, keep, -std::numeric_limits<float>::infinity());
-}
-
-// softmax_row below, in float32 and 8 lanes: the same lazy reference and one-pass blocks, 2^x of degree 5
-// (~3e-6, float32 attention's accuracy); the row's partial sums are sum[0..7] (sum[8..15] stay 0).
-inline float softmax_row(const float* s, int64_t from, int64_t keep, float* p, int64_t n, float c, float& ref,
-                         float* sum) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const f32x8 vc = set8(c);
-  if (ref != kNegInf) {
-    const f32x8 off = set8(-ref);
-    f32x8 acc = ember_vec::zero8(), top = set8(kNegInf);
-    for (int64_t j = 0; j < n; j += 8) {
-      const f32x8 t = fma8(load_scores8(s, j, from, keep), vc, off);
-      top = ember_vec::max8(top, t);
-      const f32x8 e = ember_vec::exp2_ps<5, false>(t);
-      acc = ember_vec::add8(acc, e);
-      store8(p + j, e);
-    }
-    if (!ember_vec::any_above8(top, 8.f)) {
-      store8(sum, ember_vec::add8(load8(sum), acc));
-      return 1.f;
-    }
-  }
-  f32x8 m = load_scores8(s, 0, from, keep);
-  for (int64_t j = 8; j < n; j += 8) m = ember_vec::max8(m, load_scores8(s, j, from, keep));
-  const float mx = ember_vec::max_of8(m) * c;
-  float factor = 1.f;
-  if (mx > ref + 8.f) {
-    factor = ref == kNegInf ? 0.f : std::exp2(ref - mx);
-    ref = mx;
-  }
-  const f32x8 off = set8(-ref);
-  f32x8 acc = ember_vec::zero8();
-  for (int64_t j = 0; j < n; j += 8) {
-    const f32x8 e = ember_vec::exp2_ps<5, false>(fma8(load_scores8(s, j, from, keep), vc, off));
-    acc = ember_vec::add8(acc, e);
-    store8(p + j, e);
-  }
-  store8(sum, fma8(load8(sum), set8(factor), acc));
-  return factor;
-}
-#endif  // 16 or 8 lanes
 
 // A row of the output times a (both element types: rare, when a row's reference is raised).
 inline void scale_row(float* o, int64_t d, float a) {
