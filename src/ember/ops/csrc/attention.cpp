@@ -8,9 +8,9 @@
 // loaded with ctypes; torch's at::parallel_for runs it on torch's own OpenMP pool. One structure (the work items,
 // the blocks, the online softmax: `attend`, `attend_item`) serves both element types; what differs by instruction
 // set are the inner loops, overloaded on the element type: the two matrix products per block (`tile_gemm`: AMX
-// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; for float32, 16-lane FMA
-// register blocks where it targets AVX-512, else 8-lane ones written once against vec.h's f32x8), the softmax of a
-// row, and the packing of keys and values. oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops
+// tile loops where the compiler targets AMX, else AVX-512 BF16 register blocks for bf16; for float32, FMA register
+// blocks written once against F32Lanes: 16 lanes where it targets AVX-512, else vec.h's 8-lane f32x8), the softmax
+// of a row, and the packing of keys and values. oneDNN's brgemm micro-kernels measured 2-3x slower than the tile loops
 // at these small shapes (64 x 64 x 128).
 // What it does that torch's CPU flash attention does not:
 //   - every sequence of a batch in one call (cu_seqlens), reading q/k/v in place and writing the

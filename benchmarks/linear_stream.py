@@ -1,0 +1,88 @@
+"""float32 linear layers as a forward meets them: every layer's own matrices, read in turn from memory.
+
+A product timed over and over on one matrix keeps that matrix in the caches; a forward of the 0.6B shape streams
+1.76 GB of float32 weights. This times the shape's four products (q/k/v, o, gate/up, down) over --layers layers'
+distinct random matrices, for each row count, with the weights laid out each way below, alternating the ways
+round by round; it prints the median time per pass and each way's speed-up over torch's `F.linear`.
+
+    python benchmarks/linear_stream.py                        # 16, 176 and 2,048 rows
+    python benchmarks/linear_stream.py --rows 32,512 --layers 28
+    EMBER_MAX_ISA=avx2 python benchmarks/linear_stream.py     # as an AVX2-only CPU would run them
+
+Ways: `plain` (F.linear: oneMKL's sgemm, packing panels on every call), `onednn` (weights packed once for
+oneDNN's matmul, as ember packs bf16 layers), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights,
+converted to float32 on each call). benchmarks/NOTES.md ("Linear layers") has what they measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from ember.cli.runtime import maybe_reexec_with_allocator
+
+maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ember.cli.runtime import cap_isa, max_isa  # noqa: E402
+from ember.engine.cpu import set_threads  # noqa: E402
+from ember.resources import cpu_budget  # noqa: E402
+
+SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))  # (K, N) of the 0.6B shape's products
+
+
+def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """Each way's product x @ ws[i]^T, its weights laid out once here."""
+    dnn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 2048) for w in ws]
+    half = [w.bfloat16() for w in ws]
+    return {
+        "plain": lambda x, i: F.linear(x, ws[i]),
+        "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], ""),
+        "mkl_packed": lambda x, i: torch.ops.mkl._mkl_linear(x, mkl[i], ws[i], None, x.shape[0]),
+        "bf16_upcast": lambda x, i: F.linear(x, half[i].float()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16,176,2048", help="row counts (tokens in a batch), comma-separated")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    cap_isa(max_isa())
+    set_threads(cpu_budget().usable)
+    ws = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for k, n in SHAPES]
+    ways = layouts(ws)
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(rows, w.shape[1]) for w in ws[: len(SHAPES)]]
+        ref = [F.linear(x, w) for x, w in zip(xs, ws)]
+        for name, product in ways.items():  # each way's result, once, against F.linear's
+            err = max(float((product(x, i) - r).abs().max()) for i, (x, r) in enumerate(zip(xs, ref)))
+            assert err < 3e-2, f"{name}: differs from F.linear by {err}"
+        seconds: dict[str, list[float]] = {name: [] for name in ways}
+        for r in range(args.rounds + 1):  # round 0 warms up and is not counted
+            for name, product in ways.items():
+                start = time.perf_counter()
+                for i in range(len(ws)):
+                    product(xs[i % len(SHAPES)], i)
+                if r:
+                    seconds[name].append(time.perf_counter() - start)
+        plain = statistics.median(seconds["plain"])
+        print(
+            f"{rows:>5} rows: "
+            + ", ".join(
+                f"{name} {statistics.median(s) * 1e3:.0f} ms ({plain / statistics.median(s):.2f}x)"
+                for name, s in seconds.items()
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
