@@ -11,7 +11,8 @@ round by round; it prints the median time per pass and each way's speed-up over 
 
 Ways: `plain` (F.linear: oneMKL's sgemm, packing panels on every call), `onednn` (weights packed once for
 oneDNN's matmul, as ember packs bf16 layers), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights,
-converted to float32 on each call). benchmarks/NOTES.md ("Linear layers") has what they measured.
+converted to float32 on each call), `bf16_native` (ember's Bf16Linear on its native kernel, where it builds).
+benchmarks/NOTES.md ("Linear layers") has what they measured.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ember.cli.runtime import cap_isa, max_isa  # noqa: E402
+from ember.cli.runtime import cap_isa, max_isa, native_config  # noqa: E402
 from ember.engine.cpu import set_threads  # noqa: E402
+from ember.ops.linear import Bf16Linear  # noqa: E402
+from ember.ops.native import build_kernels, linear_kernel  # noqa: E402
 from ember.resources import cpu_budget  # noqa: E402
 
 SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))  # (K, N) of the 0.6B shape's products
@@ -41,12 +44,20 @@ def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], t
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 2048) for w in ws]
     half = [w.bfloat16() for w in ws]
-    return {
+    ways = {
         "plain": lambda x, i: F.linear(x, ws[i]),
         "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], ""),
         "mkl_packed": lambda x, i: torch.ops.mkl._mkl_linear(x, mkl[i], ws[i], None, x.shape[0]),
         "bf16_upcast": lambda x, i: F.linear(x, half[i].float()),
     }
+    if linear_kernel() is not None:
+        held = []
+        for w in ws:  # each as a float32 layer would be, then held as bf16
+            layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            layer.weight = torch.nn.Parameter(w, requires_grad=False)
+            held.append(Bf16Linear(layer))
+        ways["bf16_native"] = lambda x, i: held[i](x)
+    return ways
 
 
 def main() -> None:
@@ -57,13 +68,14 @@ def main() -> None:
     args = ap.parse_args()
     cap_isa(max_isa())
     set_threads(cpu_budget().usable)
+    build_kernels(native_config())
     ws = [torch.randn(n, k) * 0.02 for _ in range(args.layers) for k, n in SHAPES]
     ways = layouts(ws)
     for rows in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(rows, w.shape[1]) for w in ws[: len(SHAPES)]]
-        ref = [F.linear(x, w) for x, w in zip(xs, ws)]
+        ref = [F.linear(x, w) for x, w in zip(xs, ws, strict=False)]
         for name, product in ways.items():  # each way's result, once, against F.linear's
-            err = max(float((product(x, i) - r).abs().max()) for i, (x, r) in enumerate(zip(xs, ref)))
+            err = max(float((product(x, i) - r).abs().max()) for i, (x, r) in enumerate(zip(xs, ref, strict=True)))
             assert err < 3e-2, f"{name}: differs from F.linear by {err}"
         seconds: dict[str, list[float]] = {name: [] for name in ways}
         for r in range(args.rounds + 1):  # round 0 warms up and is not counted

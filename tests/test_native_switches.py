@@ -18,6 +18,7 @@ SWITCHES = {
     "attention": "EMBER_NATIVE_ATTENTION",
     "int8_gemm": "EMBER_NATIVE_INT8",
     "elementwise": "EMBER_NATIVE_ELEMENTWISE",
+    "linear": "EMBER_NATIVE_LINEAR",
 }
 
 
@@ -97,7 +98,9 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
                            "--tier", "avx512_bf16"], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     libraries = sorted(p.name for p in cache.glob("*.so"))
-    assert [n.split("-")[0] for n in libraries] == ["ember_attention", "ember_elementwise", "ember_int8_gemm"]
+    assert [n.split("-")[0] for n in libraries] == [
+        "ember_attention", "ember_elementwise", "ember_int8_gemm", "ember_linear"
+    ]  # fmt: skip
     assert all((cache / (n + ".sha256")).is_file() for n in libraries)
     if isa_tier(cpu_flags()) not in ("amx", "avx512_bf16"):
         pytest.skip("this CPU cannot run the AVX-512 BF16 build (it was built all the same)")
@@ -118,10 +121,11 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
 
 
 @pytest.mark.parametrize("x86_tier", ["avx512", "avx2"])
-def test_the_float32_tiers_prebuild_attention_alone_and_load_it_with_no_compiler(tmp_path, compiler, x86_tier):
+def test_the_float32_tiers_prebuild_their_kernels_and_load_them_with_no_compiler(tmp_path, compiler, x86_tier):
     """`ember build-kernels --tier avx512` or `--tier avx2` (on x86-64), or `--tier aarch64` (on ARM), builds the
-    float32 attention kernel, the one kernel a Skylake-SP to Ice Lake Xeon, an AVX2-only Xeon or a Graviton runs; a
-    process of that tier (an x86 one capped to it), with no compiler, loads it from there."""
+    float32 attention kernel (and on avx512 the bf16-weight linear layers), what a Skylake-SP to Ice Lake Xeon, an
+    AVX2-only Xeon or a Graviton runs; a process of that tier (an x86 one capped to it), with no compiler, loads
+    them from there."""
     import platform
 
     from ember.hardware import ISA_TIERS, isa_tier, native_cpu_flags
@@ -137,7 +141,8 @@ def test_the_float32_tiers_prebuild_attention_alone_and_load_it_with_no_compiler
     done = subprocess.run([sys.executable, "-m", "ember.cli.main", "build-kernels", "--cache-dir", str(cache),
                            "--tier", tier], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert [p.name.split("-")[:2] for p in cache.glob("*.so")] == [["ember_attention", tier]]
+    built = sorted(p.name.split("-")[:2] for p in cache.glob("*.so"))  # and the bf16-weight layers on AVX-512
+    assert built == [["ember_attention", tier], *([["ember_linear", tier]] if tier == "avx512" else [])]
     probe = (
         "from ember.cli.runtime import native_config, prepare_process; prepare_process(None, None); "
         "from ember.ops import native; import torch; "
@@ -150,6 +155,8 @@ def test_the_float32_tiers_prebuild_attention_alone_and_load_it_with_no_compiler
     assert done.returncode == 0, done.stderr
     report, dtypes = done.stdout.splitlines()[-2:]
     assert f"('attention', True, '{isa}, prebuilt, loaded from {cache}" in report
+    if tier == "avx512":
+        assert f"('linear', True, 'AVX-512, prebuilt, loaded from {cache}" in report
     if arm:
         assert "needs Linux on x86-64 (Linux aarch64 here); torch's int8 matmul instead" in report
     else:

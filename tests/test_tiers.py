@@ -88,6 +88,7 @@ def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypat
     assert report["attention"].detail == "disabled by EMBER_NATIVE_ATTENTION=0; torch's SDPA instead"
     assert report["int8_gemm"].detail.startswith("this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512_vnni")
     assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["elementwise"].detail
+    assert report["linear"].detail.endswith("lacks avx512bw avx512f; float32 weights on oneMKL instead")
 
 
 def test_below_avx2_no_kernel_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,15 +164,16 @@ def test_on_an_amx_cpu_the_process_holds_the_tile_state_once_granted() -> None:
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16"),
                     reason="the CPU is at the avx512 tier or below: the plain run checks it")  # fmt: skip
-def test_the_avx512_tier_attention_matches_the_reference(tmp_path: Path) -> None:
+def test_the_avx512_tier_kernels_match_the_reference(tmp_path: Path) -> None:
     """As a Skylake-SP to Ice Lake Xeon (AVX-512 without BF16): the attention kernel is built for float32 alone, on
     its 16-lane loops, and checked against float64 attention: every float32 case runs (the bf16 ones skip, as that
-    build has none)."""
-    done = _suite("avx512", "tests/test_native.py", tmp_path=tmp_path)
+    build has none); the bf16-weight linear layers are checked against float64 and the models against
+    sentence-transformers."""
+    done = _suite("avx512", "tests/test_native.py", "tests/test_linear.py", tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "cannot run" not in done.stdout
+    assert " passed" in done.stdout and "cannot run" not in done.stdout and "AVX-512 only" not in done.stdout
     built = {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so")}
-    assert built == {"ember_attention"}
+    assert built == {"ember_attention", "ember_linear"}
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),
@@ -231,7 +233,11 @@ def test_on_arm_attention_is_built_for_neon_and_the_x86_kernels_decline(monkeypa
     assert not any(k.active for k in report.values())
     assert report["attention"].detail.startswith("no C++ compiler (g++) and no prebuilt library")
     assert report["attention"].detail.endswith("torch's SDPA instead")
-    for name, fallback in (("int8_gemm", "torch's int8 matmul"), ("elementwise", "torch.compile's kernels")):
+    x86_only = (
+        ("int8_gemm", "torch's int8 matmul"), ("elementwise", "torch.compile's kernels"),
+        ("linear", "float32 weights on oneMKL"),
+    )  # fmt: skip
+    for name, fallback in x86_only:
         assert report[name].detail == f"needs Linux on x86-64 (Linux aarch64 here); {fallback} instead"
     assert native._march() == ["-mcpu=native"]
     assert native._runnable_tiers() == native.prebuilt_tiers_here() == ["aarch64"]

@@ -244,7 +244,8 @@ class NativeConfig:
     """ember's native C++ kernels (ember.ops.native): which may be built and loaded, and where they are cached.
 
     Each runs only where the CPU (as capped by EMBER_MAX_ISA) has what it needs; these switches only turn them
-    off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE = 0, read by the CLI)."""
+    off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE, EMBER_NATIVE_LINEAR = 0, read by the
+    CLI)."""
 
     attention: bool = True
     """Flash attention over packed sequences: float32 (AVX2 + FMA up), bf16 (AMX, else AVX-512 BF16)."""
@@ -252,6 +253,9 @@ class NativeConfig:
     """The int8 layers' matrix product with SwiGLU in its epilogue (AMX, else AVX-512 VNNI)."""
     elementwise: bool = True
     """SwiGLU and Qwen3's q/k norm + rotary, bf16 (AVX-512 BF16)."""
+    linear: bool = True
+    """float32 models of bf16 checkpoints keep their linear layers' weights bf16 (half the memory) and run them on
+    ember's bf16-weight product (AVX-512); off: widened to float32 at load, on oneMKL."""
     cache_dir: str | None = None
     """Where built libraries are kept (EMBER_CACHE_DIR); None: ~/.cache/ember."""
     compiler: str | None = None

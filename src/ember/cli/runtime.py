@@ -216,7 +216,7 @@ def native_config() -> NativeConfig:
     return NativeConfig(
         **{
             kernel: os.environ.get(NativeConfig.switch(kernel), "1").strip().lower() not in off
-            for kernel in ("attention", "int8_gemm", "elementwise")
+            for kernel in ("attention", "int8_gemm", "elementwise", "linear")
         },
         cache_dir=os.environ.get("EMBER_CACHE_DIR") or (os.path.join(xdg, "ember") if xdg else None),
         compiler=os.environ.get("CXX") or None,

@@ -38,7 +38,8 @@ from ember.models.m3 import M3Heads
 from ember.models.registry import model_class
 from ember.models.splade import SPLADE_SLICE, SpladeModel
 from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
-from ember.ops.linear import pack_linears
+from ember.ops.linear import hold_bf16, pack_linears
+from ember.ops.native import may_build
 from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
@@ -163,7 +164,7 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     if score:
         p = replace(p, hf_config=_with_classifier_tokens(p.hf_config, tokenizer))
-    net = _load_weights(p)
+    net = _load_weights(p, keep_bf16=_holds_bf16(p, native or NativeConfig()))
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
@@ -210,9 +211,17 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     return Loaded(tokenizer, TorchRunner(net, info, dense, native, heads), info, p, seconds)
 
 
-def _load_weights(p: ModelPlan) -> Architecture:
-    """Build the model on the meta device, then assign each checkpoint tensor, cast once.
-    (The model's load hooks may merge checkpoint tensors, e.g. q/k/v into one matrix.)"""
+def _holds_bf16(p: ModelPlan, native: NativeConfig) -> bool:
+    """float32 on a checkpoint's bf16 matrices: kept bf16 where ember's bf16-weight product will run (half the
+    memory, and faster on small batches); the layers go back to float32 if it does not load
+    (TorchRunner.load_kernels)."""
+    return p.dtype == torch.float32 and not p.config.quantization and may_build("linear", native)
+
+
+def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
+    """Build the model on the meta device, then assign each checkpoint tensor, cast once; with keep_bf16, bf16
+    matrices stay bf16 (for ember.ops.linear.hold_bf16). (The model's load hooks may merge checkpoint tensors,
+    e.g. q/k/v into one matrix.)"""
     with torch.device("meta"):
         net = p.cls.from_config(p.hf_config)
     expected = {k: v.shape for k, v in net.state_dict().items()}
@@ -225,7 +234,8 @@ def _load_weights(p: ModelPlan) -> Architecture:
             raise CheckpointError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[key])}"
             )
-        state[key] = tensor.to(p.dtype)
+        keep = keep_bf16 and tensor.dtype == torch.bfloat16 and tensor.dim() == 2
+        state[key] = tensor if keep else tensor.to(p.dtype)
     name = p.cls.__name__
     try:
         result = net.load_state_dict(state, strict=False, assign=True)
@@ -238,6 +248,8 @@ def _load_weights(p: ModelPlan) -> Architecture:
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
+    if keep_bf16:
+        log.info("float32 compute; %d linear layers hold their bf16 checkpoint weights", hold_bf16(net))
     return net.eval().requires_grad_(False)
 
 

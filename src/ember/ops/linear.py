@@ -1,4 +1,5 @@
-"""bf16 linear layers on oneDNN's matmul with their weights packed once at load, bias and activation fused.
+"""Linear layers with their weights packed once at load: bf16 layers on oneDNN's matmul, bias and activation fused;
+float32 layers of bf16 checkpoints on ember's bf16-weight product (Bf16Linear).
 
 `F.linear` in bf16 re-lays its plain (N, K) weights into oneDNN's blocked format on every call, then
 adds the bias in a separate pass (a broadcast copy into the output); an activation after it is a third
@@ -12,12 +13,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "PackedLinear", "linear_act", "onednn_bf16", "pack_linears", "replace_linears"]
+from ember.ops.native import linear_kernel
+
+__all__ = [
+    "ACTIVATIONS",
+    "Bf16Linear",
+    "PackedLinear",
+    "hold_bf16",
+    "linear_act",
+    "onednn_bf16",
+    "pack_linears",
+    "release_bf16",
+    "replace_linears",
+]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -83,11 +97,96 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     return replace_linears(model, [name for name, m in model.named_modules() if type(m) is nn.Linear], PackedLinear)
 
 
-def replace_linears(model: nn.Module, names: list[str], make: Callable[[nn.Linear], nn.Module]) -> int:
-    """Replace each nn.Linear of `model` named in `names` by make(it), one at a time (so each old
-    matrix can be freed as it goes); returns how many."""
+def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn.Module]) -> int:
+    """Replace each layer of `model` named in `names` (nn.Linear, or one of ours) by make(it), one at a time (so
+    each old matrix can be freed as it goes); returns how many."""
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, make(getattr(parent, child)))
     return len(names)
+
+
+# linear_bf16w(x, w, bias): float32 (T, K) activations times bf16 weights packed by pack_bf16 ((N / 32, K, 16) int32
+# words), plus a float32 bias (N,) if any: (T, N) float32. Implemented in C++ by the native library
+# (csrc/linear.cpp registers it when ember.ops.native.build_kernels loads it).
+torch.library.define("ember::linear_bf16w", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("ember::linear_bf16w")
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * 32))
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 weights -> the native kernel's layout: strips of 32 output channels, (N / 32, K, 16) int32
+    words, word d of input k holding channel d in its low 16 bits and channel d + 16 in its high 16 bits."""
+    n, k = w.shape
+    pairs = w.reshape(n // 32, 2, 16, k).permute(0, 3, 2, 1).contiguous()  # (N / 32, K, 16, 2): (d, d + 16)
+    return pairs.view(torch.int32).reshape(n // 32, k, 16)
+
+
+def unpack_bf16(words: torch.Tensor) -> torch.Tensor:
+    """pack_bf16's words back to the (N, K) matrix, as float32 (exact)."""
+    strips, k, _ = words.shape
+    pairs = words.view(torch.bfloat16).reshape(strips, k, 16, 2)
+    return pairs.permute(0, 3, 2, 1).reshape(strips * 32, k).float()
+
+
+class Bf16Linear(nn.Module):
+    """A drop-in for a float32 nn.Linear whose weights are bf16 values (a bf16 checkpoint's), held as bf16: half
+    the memory, and half the bytes each product streams, where ember's native kernel runs (csrc/linear.cpp); until
+    it is loaded, the weights are widened to float32 on each call. Results are those of the float32 layer up to
+    the order of the sums."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight: torch.Tensor  # pack_bf16's words
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", pack_bf16(linear.weight.detach().bfloat16()))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if linear_kernel() is not None and x.dtype == torch.float32:
+            y = torch.ops.ember.linear_bf16w(x.reshape(-1, self.in_features), self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, unpack_bf16(self.weight).to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def widened(self) -> nn.Linear:
+        """The float32 nn.Linear this layer stands for."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(unpack_bf16(self.weight), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias, requires_grad=False)
+        return linear
+
+
+def hold_bf16(model: nn.Module) -> int:
+    """In a float32 model loaded with its bf16 checkpoint matrices left bf16 (ember.engine.build): replace each
+    nn.Linear holding bf16 weights by a Bf16Linear where the kernel takes its shape (outputs a multiple of 32),
+    then widen every other bf16 parameter and buffer to float32; returns how many layers hold bf16."""
+    names = [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.out_features % 32 == 0
+    ]
+    held = replace_linears(model, names, Bf16Linear)
+    for module in model.modules():
+        if isinstance(module, Bf16Linear):
+            continue
+        for key, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and t.dtype == torch.bfloat16:
+                wide = t.detach().float()
+                if key in module._parameters:
+                    module._parameters[key] = nn.Parameter(wide, requires_grad=False)
+                else:
+                    module._buffers[key] = wide
+    return held
+
+
+def release_bf16(model: nn.Module) -> int:
+    """Every Bf16Linear of `model` back to a float32 nn.Linear (where the native kernel cannot run, oneMKL on float32
+    weights is faster than widening them on every call); returns how many."""
+    names = [name for name, m in model.named_modules() if isinstance(m, Bf16Linear)]
+    return replace_linears(model, names, Bf16Linear.widened)

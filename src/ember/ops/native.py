@@ -3,24 +3,25 @@
 - attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up (16-lane
   loops from AVX-512 up) and on aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
-- elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused).
+- elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused);
+- linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
-ember::silu_mul, ember::qk_norm_rope; their schemas are defined in Python), which compiled regions call
-through the dispatcher without Python.
+ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w; their schemas are defined in Python), which compiled
+regions call through the dispatcher without Python.
 
 Two ways to get them, tried in this order:
 
 - Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
   CPU tier it runs on (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI;
-  `avx512`: x86-64-v4, attention only (Skylake-SP to Ice Lake Xeons); `avx2`: x86-64-v3, attention only;
-  `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by
-  the sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as
+  `avx512`: x86-64-v4, attention and the bf16-weight linear layers (Skylake-SP to Ice Lake Xeons); `avx2`:
+  x86-64-v3, attention only; `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by the
+  sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as
   capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets
   every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
   every Graviton).
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
-  aarch64), about 20 s for the three, on the engine's kernel thread beside serving; keyed also by the compiler's
+  aarch64), about 20 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
   version, the exact command and this CPU's flags.
 
 Both link against the installed torch and use its OpenMP pool; nothing is compiled at `pip install`. Until a kernel
@@ -56,6 +57,8 @@ __all__ = [
     "build_kernels",
     "elementwise_kernel",
     "int8_gemm_kernel",
+    "linear_kernel",
+    "may_build",
     "native_attention_dtypes",
     "prebuild",
     "prebuilt_tiers_here",
@@ -82,6 +85,8 @@ _KERNELS = (
     _Kernel("attention", frozenset({"avx2", "fma"}), "torch's SDPA", arm=frozenset({"asimd"})),  # bf16: AVX-512 BF16
     _Kernel("int8_gemm", frozenset({"avx512_vnni", "avx512_bf16", "avx512bw", "avx512f"}), "torch's int8 matmul"),
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
+    # 16 lanes only: its 8-lane build (AVX2) measured 0.87-0.95x oneMKL's float32 at 128-512 rows (NOTES.md)
+    _Kernel("linear", frozenset({"avx512f", "avx512bw"}), "float32 weights on oneMKL"),
 )
 
 _lock = threading.Lock()
@@ -117,6 +122,19 @@ def attention_kernel() -> ctypes.CDLL | None:
 def int8_gemm_kernel() -> ctypes.CDLL | None:
     """The int8 matrix-product library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("int8_gemm")
+
+
+def linear_kernel() -> ctypes.CDLL | None:
+    """The bf16-weight linear library, once `build_kernels` has built it on this machine; else None."""
+    return _loaded.get("linear")
+
+
+def may_build(name: str, config: NativeConfig) -> bool:
+    """Whether kernel `name` is allowed by `config` and this CPU (as capped) has what it needs: what
+    build_kernels would try, without building it."""
+    kernel = next(k for k in _KERNELS if k.name == name)
+    needs = kernel.needs_here()
+    return config.enabled(name) and platform.system() == "Linux" and needs is not None and needs <= cpu_flags()
 
 
 def native_attention_dtypes() -> frozenset[torch.dtype]:

@@ -109,39 +109,19 @@ inline __m512 load_scores(const float* s, int64_t j, int64_t from, int64_t keep)
   return _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, s + j);
 }
 
-struct F32Lanes {
-  using V = __m512;
-  static constexpr int kWidth = 16;
+// attention's additions to the shared lanes: how a register block splits 32 rows, the masked loads of scores,
+// and 2^x.
+struct F32Lanes : ember_vec::F32Lanes {
   // 32 rows of a register block as 12 + 12 + 8: 24 sums (of 32 registers), two loads of B and one broadcast a step.
   // (8 + 8 + 8 + 8 ran at 0.88x.)
   using Split = std::integer_sequence<int, 12, 12, 8>;
-  static V load(const float* x) { return _mm512_loadu_ps(x); }
-  static void store(float* y, V v) { _mm512_storeu_ps(y, v); }
-  static V set(float x) { return _mm512_set1_ps(x); }
-  static V zero() { return _mm512_setzero_ps(); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
-  static bool any_above(V v, float x) { return _mm512_cmp_ps_mask(v, set(x), _CMP_GT_OQ) != 0; }
   static V load_scores(const float* s, int64_t j, int64_t from, int64_t keep) { return ::load_scores(s, j, from, keep); }
   static V exp2(V t) { return ember_vec::exp2_ps<5, false>(t); }
 };
 #else
-struct F32Lanes {
-  using V = f32x8;
-  static constexpr int kWidth = 8;
+struct F32Lanes : ember_vec::F32Lanes {
   // 32 rows as 5 x 6 + 2: 12 sums (of AVX2's 16 registers; 24 of NEON's 32), 12 FMAs for 8 loads a step.
   using Split = std::integer_sequence<int, 6, 6, 6, 6, 6, 2>;
-  static V load(const float* x) { return load8(x); }
-  static void store(float* y, V v) { store8(y, v); }
-  static V set(float x) { return set8(x); }
-  static V zero() { return ember_vec::zero8(); }
-  static V fma(V a, V b, V c) { return fma8(a, b, c); }
-  static V add(V a, V b) { return ember_vec::add8(a, b); }
-  static V max(V a, V b) { return ember_vec::max8(a, b); }
-  static float max_of(V v) { return ember_vec::max_of8(v); }
-  static bool any_above(V v, float x) { return ember_vec::any_above8(v, x); }
   static V load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
     return ember_vec::load8_in(s, j, from, keep, -std::numeric_limits<float>::infinity());
   }

@@ -184,6 +184,57 @@ inline __m512 exp2_ps(__m512 t) {
 #define EMBER_F32X16 0
 #endif  // AVX-512F
 
+// ---- F32Lanes: the widest float32 register the compiler targets -----------------------------------------------
+// 16 lanes (one AVX-512 register) where it targets AVX-512 (Skylake-SP and later Xeons, Zen 4/5), else 8 (f32x8:
+// one AVX2 register, or two NEON registers). The float32 register blocks (attention's products, the bf16-weight
+// linear layers) are written once against it.
+#if EMBER_F32X16
+struct F32Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static void store(float* y, V v) { _mm512_storeu_ps(y, v); }
+  static V set(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+  static bool any_above(V v, float x) { return _mm512_cmp_ps_mask(v, set(x), _CMP_GT_OQ) != 0; }
+  // kWidth 32-bit words, each two bf16 values side by side, as float32: the low halves (lo) and the high (hi).
+  static void load_bf16_pairs(const uint32_t* p, V& lo, V& hi) {
+    const __m512i w = _mm512_loadu_si512(p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  }
+};
+#elif EMBER_F32X8
+struct F32Lanes {
+  using V = f32x8;
+  static constexpr int kWidth = 8;
+  static V load(const float* x) { return load8(x); }
+  static void store(float* y, V v) { store8(y, v); }
+  static V set(float x) { return set8(x); }
+  static V zero() { return zero8(); }
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static V add(V a, V b) { return add8(a, b); }
+  static V max(V a, V b) { return max8(a, b); }
+  static float max_of(V v) { return max_of8(v); }
+  static bool any_above(V v, float x) { return any_above8(v, x); }
+  static void load_bf16_pairs(const uint32_t* p, V& lo, V& hi) {
+#if defined(__x86_64__)
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xffff0000u))));
+#else
+    const uint32x4_t a = vld1q_u32(p), b = vld1q_u32(p + 4), m = vdupq_n_u32(0xffff0000u);
+    lo = {vreinterpretq_f32_u32(vshlq_n_u32(a, 16)), vreinterpretq_f32_u32(vshlq_n_u32(b, 16))};
+    hi = {vreinterpretq_f32_u32(vandq_u32(a, m)), vreinterpretq_f32_u32(vandq_u32(b, m))};
+#endif
+  }
+};
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 
 // silu(a) * b = a * b / (1 + 2^(-a log2 e)); the reciprocal is rcp14's (relative error < 2^-14, far inside

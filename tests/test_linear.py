@@ -1,0 +1,148 @@
+"""float32 layers on bf16 weights (ember.ops.linear.Bf16Linear and csrc/linear.cpp): the product against float64, the
+fallback and the release to float32, and whole models loaded from bf16 checkpoints against sentence-transformers."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ember.ops.linear as linear_mod
+from checkpoints import build_bert, build_qwen3
+from corpus import SENTENCES
+from ember import Embedder
+from ember.config import NativeConfig
+from ember.hardware import cpu_flags
+from ember.ops.linear import Bf16Linear, hold_bf16, pack_bf16, release_bf16, unpack_bf16
+from ember.ops.native import build_kernels, linear_kernel
+from parity import cos, st_reference
+
+TEXTS = [*SENTENCES[:12], SENTENCES[50]]
+AVX512 = {"avx512f", "avx512bw"} <= cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not AVX512:
+        pytest.skip("the bf16-weight kernel is built for AVX-512 only (this CPU, as capped, has none)")
+    build_kernels(NativeConfig())
+    if linear_kernel() is None:
+        pytest.skip("the native linear kernel did not build here (no compiler?)")
+    return linear_kernel()
+
+
+def _layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    """A float32 layer whose weights are bf16 values, as loaded from a bf16 checkpoint."""
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    layer.weight.data = layer.weight.data.bfloat16().float()
+    return layer.requires_grad_(False)
+
+
+def test_packing_round_trips_exactly():
+    w = torch.randn(96, 40).bfloat16()
+    words = pack_bf16(w)
+    assert words.shape == (3, 40, 16) and words.dtype == torch.int32
+    assert torch.equal(unpack_bf16(words), w.float())
+    # word d of input k: channel d in the low half, channel d + 16 in the high half (strip 1, input 5, d = 3)
+    word = int(words[1, 5, 3]) & 0xFFFFFFFF
+    low, high = (word & 0xFFFF) << 16, word & 0xFFFF0000
+    as_float = torch.tensor([low, high], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert as_float.tolist() == [w[32 + 3, 5].float().item(), w[32 + 19, 5].float().item()]
+
+
+# rows: single rows, register-block tails (12 rows a block on AVX-512), and past 512 rows, where the kernel widens
+# the weights for oneMKL instead
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 21, 168, 512, 513, 700])
+@pytest.mark.parametrize(("k", "n", "bias"), [(64, 128, True), (1024, 96, False), (33, 32, True)])
+def test_kernel_matches_float64(kernel, rows, k, n, bias):
+    layer = _layer(k, n, bias)
+    held = Bf16Linear(layer)
+    x = torch.randn(rows, k)
+    ref = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    y = held(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_kernel_takes_strided_rows_and_leading_axes(kernel):
+    layer = _layer(64, 64)
+    held = Bf16Linear(layer)
+    x = torch.randn(6, 128)[:, ::2]  # inputs 2 apart
+    assert torch.allclose(held(x), layer(x), atol=1e-5)
+    x3 = torch.randn(2, 3, 64)
+    assert held(x3).shape == (2, 3, 64) and torch.allclose(held(x3), layer(x3), atol=1e-5)
+
+
+def test_a_row_alone_equals_the_row_in_a_batch(kernel):
+    held = Bf16Linear(_layer(256, 128))
+    x = torch.randn(40, 256)
+    batch = held(x)
+    for i in (0, 11, 12, 39):
+        assert torch.equal(held(x[i : i + 1]), batch[i : i + 1])
+
+
+def test_until_the_kernel_loads_the_layer_widens_its_weights(monkeypatch):
+    layer = _layer(64, 96)
+    held = Bf16Linear(layer)
+    monkeypatch.setattr(linear_mod, "linear_kernel", lambda: None)
+    x = torch.randn(7, 64)
+    assert torch.equal(held(x), layer(x))  # the same float32 product: the weights are exactly the layer's
+
+
+def test_hold_and_release(monkeypatch):
+    model = nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 96), nn.Linear(96, 40))
+    with torch.no_grad():
+        for m in model:
+            m.weight.data = m.weight.data.bfloat16()  # as _load_weights leaves a bf16 checkpoint's matrices
+    assert hold_bf16(model) == 1  # 40 outputs are not whole strips of 32: that layer is widened instead
+    assert isinstance(model[1], Bf16Linear) and type(model[2]) is nn.Linear
+    assert model[0].weight.dtype == model[2].weight.dtype == torch.float32 and model[1].bias.dtype == torch.float32
+    before = model(torch.tensor([1, 2, 3]))
+    assert release_bf16(model) == 1 and type(model[1]) is nn.Linear and model[1].weight.dtype == torch.float32
+    assert torch.allclose(model(torch.tensor([1, 2, 3])), before, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_bf16(tmp_path_factory):
+    return build_qwen3(tmp_path_factory.mktemp("qwen3-bf16"), dtype="bfloat16")
+
+
+def _held(embedder: Embedder) -> int:
+    return sum(isinstance(m, Bf16Linear) for m in embedder._loaded.runner.model.modules())
+
+
+def test_float32_on_a_bf16_checkpoint_holds_bf16_and_matches_sentence_transformers(kernel, qwen3_bf16):
+    embedder = Embedder(str(qwen3_bf16), dtype="float32")
+    assert _held(embedder) == 2 * 4  # q/k/v, o, gate/up and down of both layers
+    ours, _ = embedder.embed(TEXTS)
+    ref = st_reference(qwen3_bf16, TEXTS, model_kwargs={"dtype": torch.float32})
+    assert cos(ours, ref).min() >= 0.99999
+    alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
+    assert cos(alone, ours[:3]).min() >= 0.999999
+    # the same model with the switch off: float32 weights, the same vectors
+    off = Embedder(str(qwen3_bf16), dtype="float32", native=dataclasses.replace(NativeConfig(), linear=False))
+    assert _held(off) == 0
+    assert cos(off.embed(TEXTS)[0], ours).min() >= 0.999999
+
+
+def test_where_the_kernel_does_not_load_the_layers_go_back_to_float32(monkeypatch, qwen3_bf16):
+    import ember.engine.build as build_mod
+    import ember.engine.runner as runner_mod
+
+    monkeypatch.setattr(build_mod, "may_build", lambda name, config: True)  # held at load, as on an AVX-512 CPU
+    monkeypatch.setattr(runner_mod, "linear_kernel", lambda: None)  # ... whose kernel then did not build
+    embedder = Embedder(str(qwen3_bf16), dtype="float32")
+    assert _held(embedder) == 0
+    model = embedder._loaded.runner.model
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ref = st_reference(qwen3_bf16, TEXTS, model_kwargs={"dtype": torch.float32})
+    assert cos(embedder.embed(TEXTS)[0], ref).min() >= 0.99999
+
+
+def test_float32_checkpoints_and_bf16_compute_hold_nothing(tmp_path, qwen3_bf16):
+    assert _held(Embedder(str(build_bert(tmp_path / "bert")), dtype="float32")) == 0  # float32 weights
+    assert _held(Embedder(str(qwen3_bf16), dtype="bfloat16")) == 0
+    assert _held(Embedder(str(qwen3_bf16), dtype="float32", quantization="int8")) == 0
