@@ -30,7 +30,12 @@ class Server:
         cmd = [sys.executable, "-m", "ember.cli.main", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         if not compile:  # the background builds would only compete with the test for the CPUs
             cmd.append("--enforce-eager")
-            for switch in ("EMBER_NATIVE_ATTENTION", "EMBER_NATIVE_INT8", "EMBER_NATIVE_ELEMENTWISE", "EMBER_NATIVE_LINEAR"):
+            for switch in (
+                "EMBER_NATIVE_ATTENTION",
+                "EMBER_NATIVE_INT8",
+                "EMBER_NATIVE_ELEMENTWISE",
+                "EMBER_NATIVE_LINEAR",
+            ):
                 env.setdefault(switch, "0")
         self.log = log
         self.proc = subprocess.Popen(

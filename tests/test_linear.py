@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ember.ops.linear as linear_mod
-from checkpoints import build_bert, build_qwen3
+from checkpoints import build_bert, build_qwen3, build_qwen3_reranker
 from corpus import SENTENCES
-from ember import Embedder
+from ember import Embedder, Reranker
 from ember.config import NativeConfig
 from ember.hardware import cpu_flags
 from ember.ops.linear import Bf16Linear, hold_bf16, pack_bf16, release_bf16, unpack_bf16
@@ -146,3 +146,16 @@ def test_float32_checkpoints_and_bf16_compute_hold_nothing(tmp_path, qwen3_bf16)
     assert _held(Embedder(str(build_bert(tmp_path / "bert")), dtype="float32")) == 0  # float32 weights
     assert _held(Embedder(str(qwen3_bf16), dtype="bfloat16")) == 0
     assert _held(Embedder(str(qwen3_bf16), dtype="float32", quantization="int8")) == 0
+
+
+def test_a_float32_reranker_on_a_bf16_checkpoint_equals_transformers(kernel, tmp_path):
+    """Qwen3-Reranker ships bf16: its layers hold bf16, and its score row (P(yes) against P(no): the difference of two
+    LM-head rows) stays float32, which bf16 would round."""
+    from test_rerank import PAIRS, RERANKER_OVERRIDES, _qwen3_reference
+
+    path = build_qwen3_reranker(tmp_path / "reranker", seed=5, dtype="bfloat16")
+    ours = Reranker(str(path), dtype="float32", hf_overrides=RERANKER_OVERRIDES)
+    model = ours._loaded.runner.model
+    assert sum(isinstance(m, Bf16Linear) for m in model.modules()) == 2 * 4
+    assert model.score.weight.dtype == torch.float32
+    np.testing.assert_allclose(ours.score(PAIRS[:8]), _qwen3_reference(path, PAIRS[:8]), atol=1e-5)

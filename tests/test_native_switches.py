@@ -166,22 +166,29 @@ def test_the_float32_tiers_prebuild_their_kernels_and_load_them_with_no_compiler
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler (Debian's "
                     "g++-aarch64-linux-gnu; .ci/run installs it)")  # fmt: skip
-def test_the_attention_kernel_compiles_for_aarch64(tmp_path):
+@pytest.mark.parametrize("source", ["attention.cpp", "linear.cpp"])
+def test_the_float32_kernels_compile_for_aarch64(tmp_path, source):
     """The attention kernel's source builds for any ARMv8-A CPU (the prebuilt aarch64 tier's flags), so nothing
-    x86-only has crept into what both architectures share; its NEON entry points are there."""
+    x86-only has crept into what both architectures share; its NEON entry points are there. So does the
+    bf16-weight linear kernel's 8-lane build (not loaded on ARM, where it is not measured)."""
     import torch
 
     include = Path(torch.__file__).parent / "include"
-    obj = tmp_path / "attention.o"
+    obj = tmp_path / source.replace(".cpp", ".o")
     command = ["aarch64-linux-gnu-g++", "-O3", *native.PREBUILT_TIERS["aarch64"], "-std=c++17", "-fPIC", "-fopenmp",
                "-w", "-c", f"-I{include}", f"-I{include / 'torch/csrc/api/include'}",
-               str(Path(native.__file__).with_name("csrc") / "attention.cpp"), "-o", str(obj)]  # fmt: skip
+               str(Path(native.__file__).with_name("csrc") / source), "-o", str(obj)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     elf = obj.read_bytes()
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
-    for symbol in (b"ember_attention_f32", b"ember_attention_isa", b"ember_attention_usable"):
-        assert symbol in elf
+    name = source.removesuffix(".cpp")
+    for symbol in (
+        f"ember_{name}_isa",
+        f"ember_{name}_usable",
+        *(["ember_attention_f32"] if name == "attention" else []),
+    ):
+        assert symbol.encode() in elf
     assert b"ember_attention\x00" not in elf  # no bf16 entry: that half needs AVX-512 BF16
 
 

@@ -752,9 +752,10 @@ def build_qwen3_reranker(
     head_dim: int = 16,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> Path:
     """A small Qwen3-Reranker: a ``Qwen3ForCausalLM`` checkpoint (random weights, its LM head stored unless
-    tied) with the real Qwen3 tokenizer, as Qwen/Qwen3-Reranker-* ship."""
+    tied) with the real Qwen3 tokenizer, as Qwen/Qwen3-Reranker-* ship (they ship bf16: ``dtype``)."""
     import transformers
 
     out = Path(out_dir)
@@ -763,7 +764,7 @@ def build_qwen3_reranker(
     kwargs = _qwen3_config_kwargs(vocab_size=QWEN3_VOCAB_SIZE, architectures=["Qwen3ForCausalLM"], **shape)
     kwargs["tie_word_embeddings"] = tie_word_embeddings
     config = transformers.Qwen3Config(**kwargs)
-    model = _build_model(transformers.Qwen3ForCausalLM, config, seed)
+    model = _build_model(transformers.Qwen3ForCausalLM, config, seed, dtype)
     model.save_pretrained(str(out))
     _add_legacy_config_keys(out / "config.json", ["Qwen3ForCausalLM"])
     build_qwen3_tokenizer(out)

@@ -138,7 +138,9 @@ class DecoderForSequenceClassification(LlamaModel):
             rows = state[f"{prefix}embed_tokens.weight"][self.token_ids]
         rows = rows.float()  # (len(token_ids), H)
         weight = (rows[1] - rows[0])[None] if self.yes_minus_no else rows
-        state[f"{prefix}score.weight"] = weight.to(state[f"{prefix}embed_tokens.weight"].dtype)
+        # in the model's dtype: its final norm's (a float32 model may hold its bf16 matrices as they are, but never
+        # this difference of two of their rows, which bf16 would round)
+        state[f"{prefix}score.weight"] = weight.to(state[f"{prefix}norm.weight"].dtype)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.score(pooled)
