@@ -67,10 +67,10 @@ def test_kernel_matches_float64(kernel, rows, k, n, bias):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
-def test_kernel_takes_strided_rows_and_leading_axes(kernel):
+def test_kernel_takes_spaced_rows_and_leading_axes(kernel):
     layer = _layer(64, 64)
     held = Bf16Linear(layer)
-    x = torch.randn(6, 128)[:, ::2]  # inputs 2 apart
+    x = torch.randn(6, 128)[:, :64]  # rows 128 apart: the kernel reads them in place
     assert torch.allclose(held(x), layer(x), atol=1e-5)
     x3 = torch.randn(2, 3, 64)
     assert held(x3).shape == (2, 3, 64) and torch.allclose(held(x3), layer(x3), atol=1e-5)
@@ -142,10 +142,38 @@ def test_where_the_kernel_does_not_load_the_layers_go_back_to_float32(monkeypatc
     assert cos(embedder.embed(TEXTS)[0], ref).min() >= 0.99999
 
 
-def test_float32_checkpoints_and_bf16_compute_hold_nothing(tmp_path, qwen3_bf16):
-    assert _held(Embedder(str(build_bert(tmp_path / "bert")), dtype="float32")) == 0  # float32 weights
-    assert _held(Embedder(str(qwen3_bf16), dtype="bfloat16")) == 0
-    assert _held(Embedder(str(qwen3_bf16), dtype="float32", quantization="int8")) == 0
+def test_float32_checkpoints_and_bf16_compute_hold_nothing(monkeypatch, tmp_path, qwen3_bf16):
+    import ember.engine.build as build_mod
+
+    monkeypatch.setattr(build_mod, "may_build", lambda name, config: True)  # as on an AVX-512 CPU with a compiler
+    held: list[int] = []
+    monkeypatch.setattr(build_mod, "hold_bf16", lambda net: held.append(linear_mod.hold_bf16(net)) or held[-1])
+    Embedder(str(build_bert(tmp_path / "bert")), dtype="float32")  # float32 weights: nothing bf16 to hold
+    assert held == [0]
+    Embedder(str(qwen3_bf16), dtype="bfloat16")
+    Embedder(str(qwen3_bf16), dtype="float32", quantization="int8")
+    assert held == [0]  # neither asked to hold
+    Embedder(str(qwen3_bf16), dtype="float32")
+    assert held == [0, 8]
+
+
+def test_a_bf16_bert_checkpoint_in_float32(kernel, tmp_path):
+    """Biases, LayerNorms and position embeddings of a bf16 checkpoint: the layers hold bf16, the rest is widened."""
+    path = build_bert(tmp_path / "bert", dtype="bfloat16", hidden=64, intermediate=128)
+    embedder = Embedder(str(path), dtype="float32")
+    model = embedder._loaded.runner.model
+    assert _held(embedder) == 2 * 4  # q/k/v, attention out, intermediate, out of both layers
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ref = st_reference(path, TEXTS, model_kwargs={"dtype": torch.float32})
+    assert cos(embedder.embed(TEXTS)[0], ref).min() >= 0.99999
+
+
+def test_a_tied_matrix_is_widened_once():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
+    model[0].weight.data = model[0].weight.data.bfloat16()
+    model[1].weight = model[0].weight  # as SPLADE ties its decoder to the word embeddings
+    assert hold_bf16(model) == 0  # 10 outputs: not whole strips
+    assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.float32
 
 
 def test_a_float32_reranker_on_a_bf16_checkpoint_equals_transformers(kernel, tmp_path):

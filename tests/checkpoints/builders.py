@@ -560,8 +560,9 @@ def build_bert(
     pooling_format: PoolingFormat = "legacy",
     dense_out: int | None = None,
     with_model_prefix: bool = False,
+    dtype: str = "float32",
 ) -> Path:
-    """Write a small BERT or XLM-RoBERTa checkpoint with random weights to ``out_dir``.
+    """Write a small BERT or XLM-RoBERTa checkpoint with random weights to ``out_dir`` (in ``dtype``).
 
     ``bert`` uses the real all-MiniLM-L6-v2 WordPiece tokenizer (30522 tokens), ``xlm-roberta`` a
     small in-process-trained Unigram tokenizer (~2000 pieces, ``<pad>`` = 1); ``vocab_size`` defaults
@@ -588,7 +589,7 @@ def build_bert(
         max_position=max_position,
     )
     model_cls = transformers.BertModel if kind == "bert" else transformers.XLMRobertaModel
-    model = _build_model(model_cls, config, seed)
+    model = _build_model(model_cls, config, seed, dtype)
     head = ("bert", "BertForMaskedLM") if kind == "bert" else ("roberta", "XLMRobertaForMaskedLM")
     prefix, arch = head if with_model_prefix else (None, model_cls.__name__)
     _save_model(model, out, prefix=prefix, architectures=[arch])

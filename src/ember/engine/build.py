@@ -248,8 +248,9 @@ def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    if keep_bf16:
-        log.info("float32 compute; %d linear layers hold their bf16 checkpoint weights", hold_bf16(net))
+    held = hold_bf16(net) if keep_bf16 else 0
+    if held:
+        log.info("float32 compute; %d linear layers hold their bf16 checkpoint weights", held)
     return net.eval().requires_grad_(False)
 
 

@@ -110,10 +110,12 @@ class TorchRunner:
         """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8
         layers onto its int8 kernel; every thread uses them from then on. Layers holding bf16 weights for a
         bf16-weight kernel that did not load go back to float32."""
-        report = build_kernels(self.native)
-        use_native_int8(self.model)
-        if linear_kernel() is None:
-            release_bf16(self.model)
+        try:
+            report = build_kernels(self.native)
+            use_native_int8(self.model)
+        finally:
+            if linear_kernel() is None:
+                release_bf16(self.model)
         return report
 
     def compile(self) -> None:

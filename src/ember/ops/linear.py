@@ -28,9 +28,11 @@ __all__ = [
     "hold_bf16",
     "linear_act",
     "onednn_bf16",
+    "pack_bf16",
     "pack_linears",
     "release_bf16",
     "replace_linears",
+    "unpack_bf16",
 ]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -135,8 +137,9 @@ def unpack_bf16(words: torch.Tensor) -> torch.Tensor:
 
 class Bf16Linear(nn.Module):
     """A drop-in for a float32 nn.Linear whose weights are bf16 values (a bf16 checkpoint's), held as bf16: half
-    the memory, and half the bytes each product streams, where ember's native kernel runs (csrc/linear.cpp); until
-    it is loaded, the weights are widened to float32 on each call. Results are those of the float32 layer up to
+    the memory, and half the bytes each product streams, where ember's native kernel runs (csrc/linear.cpp; above
+    512 rows it widens the matrix into a float32 buffer each thread keeps, as large as the largest layer, and runs
+    oneMKL); until it is loaded, the weights are widened on each call. Results are those of the float32 layer up to
     the order of the sums."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -172,16 +175,19 @@ def hold_bf16(model: nn.Module) -> int:
         if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.out_features % 32 == 0
     ]
     held = replace_linears(model, names, Bf16Linear)
+    widened: dict[int, torch.Tensor] = {}  # by the bf16 tensor's id: a tied matrix (SPLADE's decoder) stays one
     for module in model.modules():
         if isinstance(module, Bf16Linear):
             continue
-        for key, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None and t.dtype == torch.bfloat16:
-                wide = t.detach().float()
-                if key in module._parameters:
-                    module._parameters[key] = nn.Parameter(wide, requires_grad=False)
-                else:
-                    module._buffers[key] = wide
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            for key, t in table.items():
+                if t is not None and t.dtype == torch.bfloat16:
+                    if id(t) not in widened:
+                        wide = t.detach().float()
+                        param = isinstance(t, nn.Parameter)
+                        widened[id(t)] = nn.Parameter(wide, requires_grad=False) if param else wide
+                    table[key] = widened[id(t)]
     return held
 
 

@@ -21,7 +21,7 @@ Two ways to get them, tried in this order:
   every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
   every Graviton).
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
-  aarch64), about 20 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
+  aarch64), about 25 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
   version, the exact command and this CPU's flags.
 
 Both link against the installed torch and use its OpenMP pool; nothing is compiled at `pip install`. Until a kernel
@@ -130,11 +130,15 @@ def linear_kernel() -> ctypes.CDLL | None:
 
 
 def may_build(name: str, config: NativeConfig) -> bool:
-    """Whether kernel `name` is allowed by `config` and this CPU (as capped) has what it needs: what
-    build_kernels would try, without building it."""
+    """Whether build_kernels will get kernel `name`, without building it: `config` allows it, this CPU (as capped)
+    has what it needs, and there is a compiler or a prebuilt library for it."""
     kernel = next(k for k in _KERNELS if k.name == name)
     needs = kernel.needs_here()
-    return config.enabled(name) and platform.system() == "Linux" and needs is not None and needs <= cpu_flags()
+    if not (config.enabled(name) and platform.system() == "Linux" and needs is not None and needs <= cpu_flags()):
+        return False
+    source, cache = _CSRC / f"{name}.cpp", _cache_dir(config)
+    prebuilt = any(_prebuilt(source, cache, tier) for tier in _runnable_tiers())
+    return prebuilt or find_compiler(config.compiler) is not None
 
 
 def native_attention_dtypes() -> frozenset[torch.dtype]:

@@ -1,12 +1,13 @@
 // float32 linear layers on bf16 weights: y = x W^T + b with x and y float32 and W held as bf16, widened to float32
 // in registers (a shift or a mask), so a product reads half the weight bytes of a float32 layer and none is lost
 // where the checkpoint is bf16 (Qwen3, Gemma, Llama embedders ship bf16). Small batches are bound by streaming
-// the weights (a 21-token query reads all of the 0.6B shape's 1.5 GB of float32 matrices), and they get ~2x;
-// the layers keep half the memory at every batch size.
+// the weights (a 21-token query reads all of the 0.6B shape's 1.76 GB of float32 matrices), and they get ~2x;
+// the layers keep half the memory (above kTall rows, each thread also keeps one float32 buffer as large as the
+// largest layer).
 // Built and loaded like attention.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool. The
 // register blocks are written once against ember_vec::F32Lanes (16 lanes on AVX-512, 8 on AVX2 and NEON).
 //
-// Weights are packed once (ember.ops.linear.pack_bf16_strips): strips of 32 output channels, [N/32][K][16] 32-bit
+// Weights are packed once (ember.ops.linear.pack_bf16): strips of 32 output channels, [N/32][K][16] 32-bit
 // words, word d of input k holding channel d in its low half and channel d + 16 in its high half. A load of W
 // words widens to two registers of channels, lo = word << 16 and hi = word & 0xffff0000: no shuffle.
 
@@ -35,10 +36,7 @@ constexpr int kW = L::kWidth;
 constexpr int kStrip = 32;                  // output channels per strip
 constexpr int kWords = kStrip / 2;          // 32-bit words per input in a strip
 constexpr int kSubs = kWords / kW;          // register pairs per input: 1 (AVX-512) or 2 (8 lanes)
-#ifndef TALL
-#define TALL 512
-#endif
-constexpr int64_t kTall = TALL;  // rows above which oneMKL on the widened weights is faster
+constexpr int64_t kTall = 512;  // rows above which oneMKL on the widened weights is faster
 constexpr int kRows = kW == 16 ? 12 : 6;    // rows per register block: 2 kRows sums (24 of AVX-512's 32 registers,
                                             // 12 of AVX2's 16), one load and two widenings a step
 
