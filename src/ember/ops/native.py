@@ -133,12 +133,7 @@ def may_build(name: str, config: NativeConfig) -> bool:
     """Whether build_kernels will get kernel `name`, without building it: `config` allows it, this CPU (as capped)
     has what it needs, and there is a compiler or a prebuilt library for it."""
     kernel = next(k for k in _KERNELS if k.name == name)
-    needs = kernel.needs_here()
-    if not (config.enabled(name) and platform.system() == "Linux" and needs is not None and needs <= cpu_flags()):
-        return False
-    source, cache = _CSRC / f"{name}.cpp", _cache_dir(config)
-    prebuilt = any(_prebuilt(source, cache, tier) for tier in _runnable_tiers())
-    return prebuilt or find_compiler(config.compiler) is not None
+    return config.enabled(name) and _origin(kernel, config)[2] is None
 
 
 def native_attention_dtypes() -> frozenset[torch.dtype]:
@@ -179,22 +174,10 @@ def build_kernels(config: NativeConfig) -> list[KernelStatus]:
 def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None; and what happened, for the log."""
     instead = f"{kernel.fallback} instead"
-    needs = kernel.needs_here()
-    if platform.system() != "Linux" or needs is None:
-        where = "x86-64" if kernel.arm is None else "x86-64 or aarch64"
-        return None, f"needs Linux on {where} ({platform.system()} {platform.machine()} here); {instead}"
-    missing = needs - cpu_flags()
-    if missing:
-        capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != usable_cpu_flags() else ""
-        return None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
+    prebuilt, compiler, why_not = _origin(kernel, config)
+    if why_not is not None:
+        return None, why_not
     source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
-    prebuilt = next(filter(None, (_prebuilt(source, cache, tier) for tier in _runnable_tiers())), None)
-    compiler = find_compiler(config.compiler) if prebuilt is None else None
-    if prebuilt is None and compiler is None:
-        return None, (
-            f"no C++ compiler (g++) and no prebuilt library in {cache} (build them with `ember build-kernels` at "
-            f"image build); {instead}"
-        )
     try:
         if prebuilt is not None:
             path, how = prebuilt, "prebuilt, loaded from"
@@ -209,6 +192,33 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
     if not usable:
         return None, f"the kernel may not run here (the OS refused AMX tile state); {instead}"
     return lib, f"{_isa(lib, kernel.name)}{how} {path}"
+
+
+def _origin(kernel: _Kernel, config: NativeConfig) -> tuple[Path | None, str | None, str | None]:
+    """Where the kernel's library would come from here: (a prebuilt library, else a compiler to build it with, or
+    why neither, for the log)."""
+    instead = f"{kernel.fallback} instead"
+    needs = kernel.needs_here()
+    if platform.system() != "Linux" or needs is None:
+        where = "x86-64" if kernel.arm is None else "x86-64 or aarch64"
+        return None, None, f"needs Linux on {where} ({platform.system()} {platform.machine()} here); {instead}"
+    missing = needs - cpu_flags()
+    if missing:
+        capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != usable_cpu_flags() else ""
+        return None, None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
+    source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
+    prebuilt = next(filter(None, (_prebuilt(source, cache, tier) for tier in _runnable_tiers())), None)
+    compiler = find_compiler(config.compiler) if prebuilt is None else None
+    if prebuilt is None and compiler is None:
+        return (
+            None,
+            None,
+            (
+                f"no C++ compiler (g++) and no prebuilt library in {cache} (build them with `ember build-kernels` at "
+                f"image build); {instead}"
+            ),
+        )
+    return prebuilt, compiler, None
 
 
 def _runnable_tiers() -> list[str]:
