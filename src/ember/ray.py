@@ -40,6 +40,7 @@ from ember.batch.job import EmbedJob, JobSummary
 from ember.errors import ConfigError
 from ember.hardware import check_tier, isa_tier, limit_isa
 from ember.offline import Embedder
+from ember.resources import cpu_budget
 
 __all__ = ["EmberEmbedder", "run_on_ray"]
 
@@ -160,7 +161,7 @@ def run_on_ray(
     output = _Output.check(job)
     connect = not ray.is_initialized()
     if connect:
-        ray.init(address=address or None, runtime_env={"env_vars": env or {}})
+        ray.init(address=address or None, runtime_env={"env_vars": env or {}}, **_local_cluster(address))
     try:
         return _run(job, embedder, output, actors, cpus_per_actor, batch_size)
     finally:
@@ -202,15 +203,36 @@ def _run(
     return summary
 
 
+def _local_cluster(address: str | None) -> dict[str, Any]:
+    """A local cluster started here gets one logical CPU beyond the container's: Ray Data's own small tasks (the
+    file listing) need a free CPU to start, and the actors would otherwise hold every one (a deadlock on machines
+    of 4 CPUs or fewer)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return {}
+    cpus = cpu_budget().usable
+    log.info("starting a local Ray cluster: %d CPU(s) for the actors, one more for Ray Data's own tasks", cpus)
+    return {"num_cpus": cpus + 1}
+
+
 def _pool(cpus_per_actor: int | None, actors: int | None) -> tuple[int, int]:
     """(CPUs per actor, actors): an actor must fit on one node; by default min(4, the largest node's CPUs) each,
-    as many as the nodes hold."""
+    as many as the nodes hold, leaving one CPU of the cluster free for Ray Data's own tasks (with every CPU held by
+    actors, its file listing waits forever)."""
     nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
     largest = max(nodes, default=0)
     per_actor = cpus_per_actor or max(1, min(4, largest))
     if per_actor > largest:
         raise ConfigError(f"--cpus-per-actor {per_actor}: no node of this cluster has that many CPUs ({largest})")
-    return per_actor, actors or max(1, sum(n // per_actor for n in nodes))
+    pool = actors or max(1, sum(n // per_actor for n in nodes))
+    if pool * per_actor >= sum(nodes):  # nothing left for Ray Data's own tasks
+        if actors is None and pool > 1:
+            pool -= 1
+        elif cpus_per_actor is None and per_actor > 1:
+            per_actor -= 1
+        else:
+            raise ConfigError(f"{pool} actor(s) of {per_actor} CPU(s) would hold every CPU of the cluster "
+                              f"({sum(nodes)}), and Ray Data's file listing needs one: ask for fewer")  # fmt: skip
+    return per_actor, pool
 
 
 MARKER = "_ember_ray.json"

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ember.errors import InputError
+from ember.batch.files import NOT_UTF8, TOO_LONG, decode_text
+from ember.errors import ConfigError, InputError
 
-__all__ = ["Embed", "Embedded", "local", "refusal", "stack_rows", "usable_texts"]
+__all__ = ["Embed", "Embedded", "local", "probe_dimension", "refusal", "stack_rows", "usable_texts"]
 
 
 @dataclass
@@ -30,9 +31,21 @@ class Embedded:
     total_tokens: int
     refused: dict[int, str] = field(default_factory=dict)
     """Index of a text the model refused -> why ("too long", "refused")."""
+    messages: dict[int, str] = field(default_factory=dict)
+    """Index of a refused text -> the model's (or the server's) own words."""
 
 
 Embed = Callable[[list[str]], Embedded]
+
+
+def probe_dimension(embed: Embed) -> int:
+    """The width of the vectors `embed` gives, from one short text, before a job does any work: a model that
+    does not embed text (a reranker, a classifier) is refused here with its own words."""
+    result = embed(["ember"])
+    if result.refused or len(result.vectors) != 1 or not result.vectors.shape[1]:
+        why = result.messages.get(0) or result.refused.get(0) or "no vector came back"
+        raise ConfigError(f"the model does not embed text ({why}): name an embedding model")
+    return int(result.vectors.shape[1])
 
 
 def refusal(error: Exception) -> str:
@@ -57,10 +70,11 @@ def local(embedder: Any, **params: Any) -> Embed:
             return done[0]
         dim = max(d.vectors.shape[1] for d in done)
         refused = {i * CHUNK + k: why for i, d in enumerate(done) for k, why in d.refused.items()}
+        messages = {i * CHUNK + k: m for i, d in enumerate(done) for k, m in d.messages.items()}
         vectors = np.concatenate([d.vectors if d.vectors.shape[1] == dim else np.zeros((len(d.vectors), dim),
                                   np.float32) for d in done])  # fmt: skip
         tokens = [t for d in done for t in (d.tokens or [])]
-        return Embedded(vectors, tokens, sum(d.total_tokens for d in done), refused)
+        return Embedded(vectors, tokens, sum(d.total_tokens for d in done), refused, messages)
 
     return embed
 
@@ -77,17 +91,18 @@ def _one_by_one(embedder: Any, texts: list[str], params: dict[str, Any]) -> Embe
     rows: list[np.ndarray | None] = []
     tokens: list[int] = []
     refused: dict[int, str] = {}
+    messages: dict[int, str] = {}
     for i, text in enumerate(texts):
         try:
             out = embedder.embed([text], **params)
         except InputError as e:
-            refused[i] = refusal(e)
+            refused[i], messages[i] = refusal(e), str(e)
             rows.append(None)
             tokens.append(0)
             continue
         rows.append(out.vectors[0])
         tokens.append(out.token_counts[0])
-    return Embedded(stack_rows(rows), tokens, sum(tokens), refused)
+    return Embedded(stack_rows(rows), tokens, sum(tokens), refused, messages)
 
 
 def stack_rows(rows: list[np.ndarray | None]) -> np.ndarray:
@@ -100,18 +115,24 @@ def stack_rows(rows: list[np.ndarray | None]) -> np.ndarray:
     return vectors
 
 
+_STAND_INS = {TOO_LONG: "line too long to read", NOT_UTF8: "not UTF-8 text"}
+
+
 def usable_texts(values: list[Any]) -> tuple[list[int], list[str], Counter[str]]:
-    """Row positions to embed and their texts; nulls and blank texts are skipped and counted (not strings: str())."""
+    """Row positions to embed and their texts; nulls, blank texts, bytes that are not UTF-8 and values that are not
+    text (lists, maps) are skipped and counted; numbers are embedded as their text."""
     keep, texts, skipped = [], [], Counter[str]()
     for i, v in enumerate(values):
+        text = None if isinstance(v, list | dict) else decode_text(v) if v is not None else None
         if v is None:
             skipped["null text"] += 1
-        elif not isinstance(v, str):
-            keep.append(i)
-            texts.append(str(v))
-        elif not v.strip():
+        elif text is None:
+            skipped["not UTF-8 text" if isinstance(v, bytes) else "not text"] += 1
+        elif text in _STAND_INS:
+            skipped[_STAND_INS[text]] += 1
+        elif not text.strip():
             skipped["empty or whitespace-only text"] += 1
         else:
             keep.append(i)
-            texts.append(v)
+            texts.append(text)
     return keep, texts, skipped

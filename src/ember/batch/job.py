@@ -1,19 +1,25 @@
-"""An indexing job: a corpus embedded in parts of fixed row ranges, each written whole, listed in a manifest.
+"""An indexing job: a corpus embedded in parts of fixed row ranges, each written as it is finished, in a manifest.
 
-Part k holds input rows [k x part_rows, (k + 1) x part_rows). A part is written to a temporary file and renamed,
-then appended to `_manifest.jsonl` beside it; a restarted job skips the parts the manifest lists, so an interrupted
-run (Ctrl-C, SIGTERM, a kill, a lost node) loses at most the part in flight and never writes a row twice. Signals
-are the caller's (the CLI's): once `stop()` says so, the job ends after the part in flight. Rows the model cannot
-take never stop the job; they are skipped and counted by reason (documented in docs/indexing.md).
+Part k holds input rows [k x part_rows, (k + 1) x part_rows). The model takes a part a slice at a time (a few
+seconds of work each), so progress moves by rows and a stop (Ctrl-C, SIGTERM: the caller's `stop()`) ends the job
+within a slice: the rows finished so far are written as a segment of the part (`part-00003_004096.parquet` holds
+part 3 from its row 4,096), and a restarted job goes on from there. Every file is written under a temporary name,
+renamed when whole, then listed in the manifest (`manifest.py`) with a hash of the rows it covers as read; a
+restarted job checks those hashes against the input as it reads it again, so a changed input is refused, never
+mixed with the old vectors. No row is written twice or left out, whatever stops the job.
 
-Identical texts in a part are embedded once, and with a `VectorCache` a text embedded by an earlier run (same
-model, same options) is not embedded again. The next part is read while the current one is embedded.
+Rows the model cannot take never stop the job: they are skipped and counted by reason (docs/indexing.md). Identical
+texts in a part are embedded once, and with a `VectorCache` a text embedded by an earlier run (same model, same
+options) is not embedded again. The next part is read while the current one is embedded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -26,15 +32,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ember.batch.backend import Embed, Embedded, usable_texts
+from ember.batch.backend import Embed, Embedded, probe_dimension, usable_texts
 from ember.batch.cache import VectorCache
-from ember.batch.files import input_files, read_batches
-from ember.batch.npy import MANIFEST, assemble, assembled
+from ember.batch.files import MAX_LINE_BYTES, Source, input_files, read_batches, sources
+from ember.batch.manifest import MANIFEST, Manifest, lock_output
+from ember.batch.npy import assemble
 from ember.errors import ConfigError, InputError
 
-__all__ = ["EmbedJob", "JobSummary", "run_job"]
+__all__ = ["EmbedJob", "Inputs", "JobSummary", "check_inputs", "run_job"]
+
+log = logging.getLogger("ember.embed")
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,11 @@ class EmbedJob:
     """parquet: the parts are the output; npy: embeddings.npy + ids.parquet, assembled from the parts at the end."""
     options: dict[str, Any] = field(default_factory=dict)
     """The model and embedding options: a job restarted with other options is refused (its parts would mix)."""
+    max_text_bytes: int = MAX_LINE_BYTES
+    """A text longer than this could never be used whole: with options["truncate"] it is cut to this length,
+    else skipped as too long before it is tokenized (a line of text or JSONL is skipped as it is read)."""
+    unique_ids: bool = False
+    """Refuse the job, before any work, when --id-column holds a value twice (else duplicates are reported)."""
 
 
 @dataclass
@@ -68,6 +83,8 @@ class JobSummary:
     parts_written: int = 0
     parts_skipped: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
+    duplicate_ids: int = 0
+    """Rows whose id an earlier row of the output already has (--id-column)."""
     interrupted: bool = False
 
     def line(self) -> str:
@@ -80,7 +97,45 @@ class JobSummary:
             f"{self.tokens} tokens in {self.seconds:.1f} s ({rate:.0f} tokens/s); "
             + (f"parts written {self.parts_written}, already done {self.parts_skipped}; " if parts else "")
             + f"rows skipped: {why}"
+            + (f"; {self.duplicate_ids} rows repeat an earlier row's id" if self.duplicate_ids else "")
         )
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The input files, checked: every named column is in every file; ids are written as one type."""
+
+    files: list[Path]
+    id_type: pa.DataType | None
+
+
+def check_inputs(job: EmbedJob) -> Inputs:
+    """Every file's columns (from its first rows; Parquet: its footer), before a model is loaded: a column missing
+    anywhere is refused with the columns that exist. Ids of mixed types across files are written as strings."""
+    files = input_files(list(job.inputs))
+    found = sources(files, job.text_column, job.max_text_bytes)
+    named = [(job.text_column, "--text-column"), (job.id_column, "--id-column")]
+    named += [(c, "--keep-columns") for c in job.keep_columns]
+    for source in found:
+        for column, flag in named:
+            if column and column not in source.schema.names:
+                raise InputError(f"{source.path} has no column {column!r} ({flag}); its columns: "
+                                 f"{', '.join(source.schema.names)}", "input")  # fmt: skip
+    return Inputs(files, _id_type(found, job.id_column))
+
+
+def _id_type(found: list[Source], column: str | None) -> pa.DataType | None:
+    if column is None:
+        return None
+    types = {s.path: s.schema.field(column).type for s in found}
+    distinct = {t for t in types.values() if t != pa.null()}
+    if len(distinct) <= 1:
+        return next(iter(distinct), pa.string())
+    if all(pa.types.is_integer(t) for t in distinct):
+        return pa.int64()
+    log.warning("--id-column %r holds %s: every id is written as a string", column,
+                ", ".join(f"{t} in {p.name}" for p, t in list(types.items())[:4]))  # fmt: skip
+    return pa.string()
 
 
 def _signature(job: EmbedJob) -> str:
@@ -90,38 +145,12 @@ def _signature(job: EmbedJob) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _done_parts(out: Path, job: EmbedJob) -> set[int]:
-    """Parts a previous run finished; refuses a manifest written by a different job unless --overwrite."""
-    manifest = out / MANIFEST
-    if job.overwrite:
-        for f in [*out.glob("part-*.parquet"), out / "embeddings.npy", out / "ids.parquet"]:
-            f.unlink(missing_ok=True)
-        manifest.unlink(missing_ok=True)
-    if not manifest.exists():
-        return set()
-    done: set[int] = set()
-    for line in manifest.read_text().splitlines():
-        entry = json.loads(line)
-        if entry.get("signature") != _signature(job):
-            raise ConfigError(
-                f"{out} holds the output of a different job (other inputs, columns or model options): "
-                "pass --overwrite to start over, or choose another output directory"
-            )
-        if "part" in entry:
-            done.add(int(entry["part"]))
-    return done
-
-
-def _parts(job: EmbedJob) -> Iterator[tuple[int, int, pa.Table]]:
+def _parts(job: EmbedJob, inputs: Inputs) -> Iterator[tuple[int, int, pa.Table]]:
     """(part index, its first row number, its rows) in input order."""
     pending: list[pa.RecordBatch] = []
     rows = first = part = 0
-    for _, batch in read_batches(input_files(list(job.inputs)), job.text_column, job.part_rows):
-        if job.text_column not in batch.schema.names:
-            raise InputError(
-                f"the input has no column {job.text_column!r} (--text-column); it has {batch.schema.names}"
-            )
-        pending.append(batch)
+    for _, batch in read_batches(inputs.files, job.text_column, job.part_rows, job.max_text_bytes):
+        pending.append(_with_id_type(batch, job.id_column, inputs.id_type))
         rows += batch.num_rows
         while rows >= job.part_rows:
             table = pa.Table.from_batches(_unify(pending)).combine_chunks()
@@ -133,16 +162,44 @@ def _parts(job: EmbedJob) -> Iterator[tuple[int, int, pa.Table]]:
         yield part, first, pa.Table.from_batches(_unify(pending)).combine_chunks()
 
 
+def _with_id_type(batch: pa.RecordBatch, column: str | None, kind: pa.DataType | None) -> pa.RecordBatch:
+    if column is None or kind is None or batch.schema.field(column).type == kind:
+        return batch
+    at = batch.schema.get_field_index(column)
+    return batch.set_column(at, pa.field(column, kind), pc.cast(batch.column(at), kind))
+
+
 def _unify(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    """Batches of files whose inferred schemas differ (an int id here, a string id there) as one schema."""
+    """Batches of files whose inferred schemas differ (a column null in one file, text in another) as one schema."""
     schema = pa.unify_schemas([b.schema for b in batches], promote_options="permissive")
     return [pa.Table.from_batches([b]).cast(schema, safe=False).to_batches()[0] if b.schema != schema else b
             for b in batches]  # fmt: skip
 
 
+def _digest(table: pa.Table, job: EmbedJob, start: int, stop: int) -> str:
+    """A hash of rows [start, stop) as read: their text and id, so a changed input is noticed on resume."""
+    h = hashlib.sha256()
+    for name in (job.text_column, job.id_column):
+        if name:
+            for value in table.column(name).slice(start, stop - start).to_pylist():
+                h.update(repr(value).encode("utf-8", "surrogatepass") + b"\x1f")
+    return h.hexdigest()[:24]
+
+
+def _check_unchanged(manifest: Manifest, part: tuple[int, int, pa.Table], job: EmbedJob) -> None:
+    index, first, table = part
+    for segment in manifest.parts.get(index, []):
+        end = segment.offset + segment.rows
+        if end > table.num_rows or (segment.digest and segment.digest != _digest(table, job, segment.offset, end)):
+            raise ConfigError(
+                f"the input changed since rows {first + segment.offset}-{first + end - 1} were embedded into "
+                f"{job.output}: pass --overwrite to start over, or write to another output directory"
+            )
+
+
 @dataclass
 class _Rows:
-    """A part's texts embedded: which of them were kept, their vectors and tokens, and what was skipped."""
+    """A slice's texts embedded: which of them were kept, their vectors and tokens, and what was skipped."""
 
     kept: list[int]
     vectors: np.ndarray
@@ -153,71 +210,151 @@ class _Rows:
     model_tokens: int = 0
 
 
-def _embed_rows(embed: Embed, texts: list[str], cache: VectorCache | None) -> _Rows:
-    """Embed each distinct text once, and none the cache holds; a text the model refuses is skipped and counted."""
-    distinct = list(dict.fromkeys(texts))
+_Memo = dict[str, tuple[np.ndarray, int | None] | str]
+"""A part's texts done so far: vector and tokens, or why the model refused it."""
+
+
+def _embed_rows(embed: Embed, texts: list[str], cache: VectorCache | None, memo: _Memo, dim: int) -> _Rows:
+    """Embed each distinct text once (not again in the same part, and none the cache holds); a text the model
+    refuses is skipped and counted."""
+    distinct = [t for t in dict.fromkeys(texts) if t not in memo]
     hits = cache.get(distinct) if cache is not None else {}
-    misses = [j for j in range(len(distinct)) if j not in hits]
-    result = embed([distinct[j] for j in misses]) if misses else Embedded(np.zeros((0, 0), np.float32), [], 0)
-    dim = result.vectors.shape[1] if len(result.vectors) else len(next(iter(hits.values()))[0]) if hits else 0
-    vectors = np.zeros((len(distinct), dim), np.float32)
-    tokens: list[int | None] = [None] * len(distinct)
     for j, (vector, count) in hits.items():
-        vectors[j], tokens[j] = vector, count
-    refused = {misses[k]: why for k, why in result.refused.items()}
+        memo[distinct[j]] = (vector, count)
+    misses = [t for j, t in enumerate(distinct) if j not in hits]
+    result = embed(misses) if misses else Embedded(np.zeros((0, dim), np.float32), [], 0)
     ok = [k for k in range(len(misses)) if k not in result.refused]
+    for k, why in result.refused.items():
+        memo[misses[k]] = why
     for k in ok:
-        vectors[misses[k]] = result.vectors[k]
-        tokens[misses[k]] = result.tokens[k] if result.tokens is not None else None
+        memo[misses[k]] = (result.vectors[k], result.tokens[k] if result.tokens is not None else None)
     if cache is not None and ok:
-        cache.put([distinct[misses[k]] for k in ok], result.vectors[ok], None if result.tokens is None else
-                  [result.tokens[k] for k in ok])  # fmt: skip
-    index = {t: j for j, t in enumerate(distinct)}
-    rows_of = [index[t] for t in texts]
-    kept = [i for i, j in enumerate(rows_of) if j not in refused]
-    skipped = Counter(refused[j] for j in rows_of if j in refused)
-    cached = sum(1 for i in kept if rows_of[i] in hits)
-    return _Rows(kept, vectors[[rows_of[i] for i in kept]], [tokens[rows_of[i]] for i in kept], skipped,
-                 len(misses), cached, result.total_tokens)  # fmt: skip
+        tokens = None if result.tokens is None else [result.tokens[k] for k in ok]
+        cache.put([misses[k] for k in ok], result.vectors[ok], tokens)
+    kept = [i for i, t in enumerate(texts) if not isinstance(memo[t], str)]
+    done = [d for i in kept if not isinstance(d := memo[texts[i]], str)]
+    vectors = np.stack([d[0] for d in done]) if done else np.zeros((0, dim), np.float32)
+    hit_texts = {distinct[j] for j in hits}
+    return _Rows(kept, vectors.reshape(len(kept), dim), [d[1] for d in done],
+                 Counter(str(memo[t]) for t in texts if isinstance(memo[t], str)), len(misses),
+                 sum(1 for i in kept if texts[i] in hit_texts), result.total_tokens)  # fmt: skip
 
 
-def _write_part(
-    out: Path, job: EmbedJob, part: tuple[int, int, pa.Table], embed: Embed, cache: VectorCache | None
-) -> _Rows:
-    """Embed one part's rows and write them whole, then record the part in the manifest."""
+def _fit_texts(job: EmbedJob, texts: list[str], skipped: Counter[str]) -> tuple[list[int], list[str]]:
+    """Texts too long to ever be used whole: cut (with truncation on) or skipped, before any is tokenized."""
+    limit, cut = job.max_text_bytes, bool(job.options.get("truncate"))
+    keep, fitted = [], []
+    for i, text in enumerate(texts):
+        if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
+            if not cut:
+                skipped["too long"] += 1
+                continue
+            text = text.encode("utf-8", "surrogatepass")[:limit].decode("utf-8", "ignore")
+        keep.append(i)
+        fitted.append(text)
+    return keep, fitted
+
+
+class _Slices:
+    """Rows per call to the model: about SECONDS of work, so progress moves and a stop is seen within seconds."""
+
+    SECONDS = 5.0
+    SMALLEST, LARGEST = 16, 1024
+
+    def __init__(self) -> None:
+        self.rows = self.SMALLEST
+
+    def observe(self, rows: int, seconds: float) -> None:
+        rate = rows / max(seconds, 1e-3)
+        self.rows = int(min(self.LARGEST, max(self.SMALLEST, rate * self.SECONDS)))
+
+
+@dataclass
+class _Run:
+    """What one call of `run_job` works with."""
+
+    job: EmbedJob
+    out: Path
+    manifest: Manifest
+    embed: Embed
+    cache: VectorCache | None
+    dim: int
+    progress: Callable[[int, int], None] | None
+    stop: Callable[[], bool] | None
+    summary: JobSummary
+    slices: _Slices = field(default_factory=_Slices)
+
+    def asked_to_stop(self) -> bool:
+        return self.stop is not None and self.stop()
+
+
+def _write_part(run: _Run, part: tuple[int, int, pa.Table]) -> bool:
+    """Embed a part's rows not yet written, a slice at a time, and write them as one file; True when a stop cut
+    the part short."""
+    index, table = part[0], part[2]
+    offset = pos = run.manifest.covered(index)
+    memo: _Memo = {}
+    kept: list[int] = []
+    vectors: list[np.ndarray] = []
+    tokens: list[int | None] = []
+    skipped: Counter[str] = Counter()
+    stopped = False
+    while pos < table.num_rows and not stopped:
+        rows = table.slice(pos, run.slices.rows)
+        start = time.perf_counter()
+        keep, texts, why = usable_texts(rows.column(run.job.text_column).to_pylist())
+        fit, texts = _fit_texts(run.job, texts, why)
+        done = _embed_rows(run.embed, texts, run.cache, memo, run.dim)
+        run.slices.observe(rows.num_rows, time.perf_counter() - start)
+        kept += [pos + keep[fit[k]] for k in done.kept]
+        vectors.append(done.vectors)
+        tokens += done.tokens
+        skipped += why + done.skipped
+        _count(run.summary, done)
+        pos += rows.num_rows
+        if run.progress is not None:
+            run.progress(rows.num_rows, done.model_tokens)
+        stopped = run.asked_to_stop()
+    _write_file(run, part, offset, pos, kept, np.concatenate(vectors) if vectors else None, tokens, skipped)
+    return stopped
+
+
+def _count(summary: JobSummary, done: _Rows) -> None:
+    summary.documents += len(done.kept)
+    summary.embedded += done.embedded
+    summary.cached += done.cached
+    summary.tokens += done.model_tokens
+
+
+def _write_file(
+    run: _Run, part: tuple[int, int, pa.Table], offset: int, end: int, kept: list[int],
+    vectors: np.ndarray | None, tokens: list[int | None], skipped: Counter[str],
+) -> None:  # fmt: skip
+    """Rows [offset, end) of a part as one Parquet file (whole or absent), then its line in the manifest."""
     index, first, table = part
-    keep, texts, skipped = usable_texts(table.column(job.text_column).to_pylist())
-    done = _embed_rows(embed, texts, cache) if texts else _Rows([], np.zeros((0, 0), np.float32), [], Counter())
-    done.skipped += skipped
-    rows = pa.array([keep[i] for i in done.kept], pa.int64())
-    if job.id_column:
-        if job.id_column not in table.schema.names:
-            raise InputError(f"the input has no column {job.id_column!r} (--id-column)")
-        ids = table.column(job.id_column).take(rows)
-    else:
-        ids = pa.array([first + r for r in rows.to_pylist()], pa.int64())
-    dim = done.vectors.shape[1] if len(rows) else 0
+    job, rows = run.job, pa.array(kept, pa.int64())
+    flat = vectors.reshape(-1) if vectors is not None else np.zeros(0, np.float32)
     columns = {
-        "id": ids,
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(done.vectors.reshape(-1), pa.float32()), dim),
-        "tokens": pa.array(done.tokens, pa.int32()),
-    }
+        "id": table.column(job.id_column).take(rows) if job.id_column else pa.array(
+            [first + r for r in kept], pa.int64()),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), run.dim),
+        "tokens": pa.array(tokens, pa.int32()),
+    }  # fmt: skip
     for name in job.keep_columns:
         columns[name] = table.column(name).take(rows)
-    path = out / f"part-{index:05d}.parquet"
-    tmp = out / f".part-{index:05d}.parquet.tmp"
-    pq.write_table(pa.table(columns), str(tmp))
+    name = f"part-{index:05d}" + (f"_{offset:06d}" if offset else "")
+    path, tmp = run.out / f"{name}.parquet", run.out / f".{name}.parquet.tmp"
+    try:
+        pq.write_table(pa.table(columns), str(tmp))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)  # whole or absent
-    _record(out, {"part": index, "first_row": first, "rows": table.num_rows, "written": len(rows),
-                  "skipped": dict(done.skipped), "signature": _signature(job)})  # fmt: skip
-    return done
-
-
-def _record(out: Path, entry: dict[str, Any]) -> None:
-    with (out / MANIFEST).open("a") as f:
-        f.write(json.dumps(entry) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    run.manifest.record({"part": index, "offset": offset, "first_row": first + offset, "rows": end - offset,
+                         "written": len(kept), "skipped": dict(skipped),
+                         "digest": _digest(table, job, offset, end)})  # fmt: skip
+    run.summary.skipped += skipped
+    run.summary.parts_written += 1
 
 
 def _prefetched(parts: Iterator[tuple[int, int, pa.Table]]) -> Iterator[tuple[int, int, pa.Table]]:
@@ -251,39 +388,85 @@ def _prefetched(parts: Iterator[tuple[int, int, pa.Table]]) -> Iterator[tuple[in
         closed.set()
 
 
+def duplicate_ids(tables: Iterator[pa.Table]) -> tuple[int, Any]:
+    """(rows whose id an earlier row has, one such id) over the `id` column of the tables."""
+    ids = [t.column("id") for t in tables]
+    if not ids:
+        return 0, None
+    counts = pc.value_counts(pa.chunked_array([c for a in ids for c in a.chunks], ids[0].type).combine_chunks())
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+    extra = int(pc.sum(repeated.field("counts")).as_py() or 0) - len(repeated)
+    return extra, repeated.field("values")[0].as_py() if len(repeated) else None
+
+
+def _input_ids(job: EmbedJob, inputs: Inputs) -> Iterator[pa.Table]:
+    for part in _parts(job, inputs):
+        yield pa.table({"id": part[2].column(job.id_column)})
+
+
+@contextlib.contextmanager
+def _output_errors(out: Path) -> Iterator[None]:
+    """A full disk or a read-only output as one line naming the directory, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+            raise
+        advice = "free space and" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions and"
+        raise ConfigError(f"cannot write to {out}: {e.strerror}; the parts already written are kept: {advice} run "
+                          "the same command again") from None  # fmt: skip
+
+
 def run_job(
     job: EmbedJob,
     embed: Embed,
     progress: Callable[[int, int], None] | None = None,
     stop: Callable[[], bool] | None = None,
     cache: VectorCache | None = None,
+    inputs: Inputs | None = None,
 ) -> JobSummary:
-    """Embed every row not done yet; `progress(rows, tokens)` after each part; when `stop()` turns true (a signal,
-    at the CLI), the job ends after the part in flight. With `cache`, texts it holds are not embedded again."""
+    """Embed every row not done yet; `progress(rows, tokens)` after each slice; when `stop()` turns true (a signal,
+    at the CLI), the job ends after the slice in flight. With `cache`, texts it holds are not embedded again."""
+    inputs = inputs or check_inputs(job)
     out = Path(job.output)
-    out.mkdir(parents=True, exist_ok=True)
-    done = _done_parts(out, job)
-    summary = JobSummary()
     start = time.perf_counter()
-    if job.format == "npy" and assembled(out):
-        return summary  # finished earlier: nothing left to do
-    for part in _prefetched(_parts(job)):
-        if part[0] in done:
-            summary.parts_skipped += 1
-            continue
-        rows = _write_part(out, job, part, embed, cache)
-        summary.documents += len(rows.kept)
-        summary.embedded += rows.embedded
-        summary.cached += rows.cached
-        summary.tokens += rows.model_tokens
-        summary.skipped += rows.skipped
-        summary.parts_written += 1
-        if progress is not None:
-            progress(part[2].num_rows, rows.model_tokens)
-        if stop is not None and stop():
-            summary.interrupted = True
-            break
-    if job.format == "npy" and not summary.interrupted:
-        assemble(out, _signature(job), _record)
-    summary.seconds = time.perf_counter() - start
+    with _output_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
+        with lock_output(out):
+            if job.overwrite:
+                for f in [*out.glob("part-*.parquet"), out / "embeddings.npy", out / "ids.parquet", out / MANIFEST]:
+                    f.unlink(missing_ok=True)
+            manifest = Manifest.read(out, _signature(job))
+            summary = JobSummary()
+            if job.format == "npy" and manifest.assembled:
+                return summary  # finished earlier: nothing left to do
+            if job.unique_ids and job.id_column:
+                count, example = duplicate_ids(_input_ids(job, inputs))
+                if count:
+                    raise InputError(f"--unique-ids: {count} rows repeat an earlier row's id (e.g. {example!r})")
+            run = _Run(job, out, manifest, embed, cache, probe_dimension(embed), progress, stop, summary)
+            _run_parts(run, inputs)
+            summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _run_parts(run: _Run, inputs: Inputs) -> None:
+    summary, job = run.summary, run.job
+    for part in _prefetched(_parts(job, inputs)):
+        _check_unchanged(run.manifest, part, job)
+        if run.manifest.covered(part[0]) >= part[2].num_rows:
+            summary.parts_skipped += 1
+            if run.progress is not None:
+                run.progress(part[2].num_rows, 0)
+            continue
+        if _write_part(run, part):
+            summary.interrupted = True
+            return
+    files = sorted(run.out.glob("part-*.parquet"))
+    if job.id_column:
+        summary.duplicate_ids = duplicate_ids(pq.read_table(f, columns=["id"]) for f in files)[0]
+        if summary.duplicate_ids:
+            log.warning("%d rows repeat an earlier row's id (--unique-ids refuses such an input)",
+                        summary.duplicate_ids)  # fmt: skip
+    if job.format == "npy":
+        assemble(run.out, run.dim, run.manifest.record)

@@ -7,7 +7,6 @@ two files, written under temporary names and renamed, recorded in the manifest, 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,22 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["assemble", "assembled"]
-
-MANIFEST = "_manifest.jsonl"
+__all__ = ["assemble"]
 
 
-def assembled(out: Path) -> bool:
-    """Whether a previous run already gathered its parts (then there is nothing left to do)."""
-    manifest = out / MANIFEST
-    return manifest.exists() and any("assembled" in json.loads(line) for line in manifest.read_text().splitlines())
-
-
-def assemble(out: Path, signature: str, record: Callable[[Path, dict[str, Any]], None]) -> None:
+def assemble(out: Path, dim: int, record: Callable[[dict[str, Any]], None]) -> None:
+    """Gather the parts (in name order: part, then offset) into the two files, record it, then delete the parts."""
     parts = sorted(out.glob("part-*.parquet"))
     files = [pq.ParquetFile(p) for p in parts]
     rows = sum(f.metadata.num_rows for f in files)
-    dim = next((f.schema_arrow.field("embedding").type.list_size for f in files if f.metadata.num_rows), 0)
     tmp_vectors, tmp_ids = out / ".embeddings.npy.tmp", out / ".ids.parquet.tmp"
     vectors = np.lib.format.open_memmap(tmp_vectors, mode="w+", dtype=np.float32, shape=(rows, dim))
     writer: pq.ParquetWriter | None = None
@@ -57,6 +48,6 @@ def assemble(out: Path, signature: str, record: Callable[[Path, dict[str, Any]],
         writer.close()
     os.replace(tmp_vectors, out / "embeddings.npy")
     os.replace(tmp_ids, out / "ids.parquet")
-    record(out, {"assembled": True, "rows": rows, "dimension": dim, "signature": signature})
+    record({"assembled": True, "rows": rows, "dimension": dim})
     for p in parts:
         p.unlink()

@@ -146,9 +146,10 @@ class RemoteEmbedder:
             return self._again(batch, queue, response.headers.get("retry-after"), f"{url}: {response.status_code}")
         message = _message(response)
         if response.status_code in _FATAL:
-            raise ConfigError(f"{url} answered {response.status_code}: {message}")
+            key = "; pass the server's key with --api-key" if response.status_code in (401, 403) else ""
+            raise ConfigError(f"{url} answered {response.status_code}: {message}{key}")
         if len(batch.texts) == 1:  # 400, 413, 422: this text is at fault
-            out.refuse(batch.start, refusal(Exception(message)))
+            out.refuse(batch.start, refusal(Exception(message)), message)
             return 0.0
         half = len(batch.texts) // 2
         queue.put_nowait(_Batch(batch.start, batch.texts[:half]))
@@ -177,6 +178,7 @@ class _Results:
     def __init__(self, n: int) -> None:
         self.rows: list[np.ndarray | None] = [None] * n
         self.refused: dict[int, str] = {}
+        self.messages: dict[int, str] = {}
         self.tokens = 0
 
     def put(self, start: int, answer: dict[str, Any]) -> None:
@@ -190,8 +192,8 @@ class _Results:
             self.rows[start + int(item["index"])] = row
         self.tokens += int(answer.get("usage", {}).get("prompt_tokens", 0))
 
-    def refuse(self, index: int, why: str) -> None:
-        self.refused[index] = why
+    def refuse(self, index: int, why: str, message: str) -> None:
+        self.refused[index], self.messages[index] = why, message
 
     def embedded(self) -> Embedded:
-        return Embedded(stack_rows(self.rows), None, self.tokens, self.refused)
+        return Embedded(stack_rows(self.rows), None, self.tokens, self.refused, self.messages)

@@ -42,6 +42,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--part-rows", type=int, default=10_000, help="rows per output part (the unit of resume)")
     p.add_argument("--format", default="parquet", choices=["parquet", "npy"], help="npy: embeddings.npy + ids.parquet")
     p.add_argument("--overwrite", action="store_true", help="start over, deleting the parts of an earlier run")
+    p.add_argument("--unique-ids", action="store_true", help="refuse an input whose --id-column repeats a value "
+                   "(checked before any work; without it, repeats are counted and reported)")  # fmt: skip
     p.add_argument("--cache", default=None, metavar="DIR", help="keep vectors by text: unchanged texts are not re-run")
     p.add_argument("--url", action="append", default=[], help="embed on this running server (repeat to spread)")
     p.add_argument("--api-key", default=None, help="bearer token for --url (default: $EMBER_API_KEY, $OPENAI_API_KEY)")
@@ -59,6 +61,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to --url otherwise
     try:
         maybe_reexec_with_allocator(sys.argv[1:])
         if args.ray is not None:
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     except EmberError as e:
         print(f"ember embed: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ember embed: stopped at once; the rows written so far are kept: run the same command again to "
+              "continue", file=sys.stderr)  # fmt: skip
+        return 130
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,10 +82,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys}
 
 
-def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
-    """(what embeds, the model's identity for the cache, what to close): in-process, or the --url servers."""
+def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int]:
+    """(what embeds, the model's identity for the cache, what to close, the longest text worth reading in bytes):
+    in-process, or the --url servers."""
     from ember.batch.backend import local
     from ember.batch.cache import model_fingerprint
+    from ember.batch.files import MAX_LINE_BYTES
 
     params = _params(args)
     if args.url:
@@ -87,11 +96,31 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any]:
         key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
         remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size or 32,
                                 concurrency=args.concurrency, **params)  # fmt: skip
-        return remote, remote.model, remote.close
+        return remote, remote.model, remote.close, MAX_LINE_BYTES
     from ember.offline import Embedder
 
     embedder = Embedder(args.model, threads=threads, native=native_config(), **_model_options(args))
-    return local(embedder, **params), model_fingerprint(embedder.path), None
+    if embedder.info.task != "embed":
+        raise EmberError(f"{args.model} is a {embedder.info.task} model ({embedder.info.architecture}): ember embed "
+                         "needs an embedding model (--model)")  # fmt: skip
+    return local(embedder, **params), model_fingerprint(embedder.path), None, _longest_text(embedder)
+
+
+BYTES_PER_TOKEN = 32
+"""Bytes of text one token covers, at most, in practice (a long word, a run of spaces): a text longer than the
+model's usable tokens times this could never be used whole."""
+
+
+def _longest_text(embedder: Any) -> int:
+    from ember.batch.files import MAX_LINE_BYTES
+
+    pooler = embedder.preprocessor.pooler
+    tokens = embedder.info.max_model_len
+    if pooler.enable_chunked_processing:
+        if pooler.max_embed_len is None:
+            return MAX_LINE_BYTES
+        tokens = pooler.max_embed_len
+    return max(1 << 16, min(MAX_LINE_BYTES, tokens * BYTES_PER_TOKEN))
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,25 +135,28 @@ def _model_options(args: argparse.Namespace) -> dict[str, Any]:
             "auto_truncate": args.truncate, "enforce_eager": args.enforce_eager}  # fmt: skip
 
 
-def _job(args: argparse.Namespace) -> Any:
+def _job(args: argparse.Namespace, max_text_bytes: int | None = None) -> Any:
+    from ember.batch.files import MAX_LINE_BYTES
     from ember.batch.job import EmbedJob
 
     return EmbedJob(
         tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
-        args.part_rows, args.overwrite, args.format, _options(args),
+        args.part_rows, args.overwrite, args.format, _options(args), max_text_bytes or MAX_LINE_BYTES,
+        args.unique_ids,
     )  # fmt: skip
 
 
 def _embed(args: argparse.Namespace, threads: int) -> int:
     from ember.batch.cache import VectorCache
-    from ember.batch.job import run_job
+    from ember.batch.job import check_inputs, run_job
 
-    embed, identity, close = _backend(args, threads)
-    job = _job(args)
+    inputs = check_inputs(_job(args))  # every named column, before a model is loaded
+    embed, identity, close, longest = _backend(args, threads)
+    job = _job(args, longest)
     cache = VectorCache(args.cache, identity, _options(args)) if args.cache else None
     try:
-        with _Progress() as progress, _Stop() as stop:
-            summary = run_job(job, embed, progress, stop.asked, cache)
+        with _Progress(inputs.files) as progress, _Stop() as stop:
+            summary = run_job(job, embed, progress, stop.asked, cache, inputs)
     finally:
         if close is not None:
             close()
@@ -191,7 +223,8 @@ def _report(summary: Any) -> int:
 
 
 class _Stop:
-    """SIGINT/SIGTERM: finish the part in flight, then stop (a second SIGINT stops at once)."""
+    """SIGINT/SIGTERM: finish the slice in flight (seconds of work), write what is done, then stop (a second SIGINT
+    stops at once; the slice in flight is then lost, never half-written)."""
 
     def __init__(self) -> None:
         self.signalled = False
@@ -204,7 +237,7 @@ class _Stop:
         if self.signalled and sig == signal.SIGINT:
             raise KeyboardInterrupt
         self.signalled = True
-        log.warning("stopping after the part in flight (Ctrl-C again to stop at once)")
+        log.warning("stopping after the rows in flight, keeping every row done (Ctrl-C again to stop at once)")
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._old.items():
@@ -215,26 +248,49 @@ class _Stop:
 
 
 class _Progress:
-    """A tqdm bar (rows, tokens/s, ETA unknown for streams) on a terminal; a log line every 10 s otherwise."""
+    """A tqdm bar (rows of the total, tokens/s, ETA) on a terminal; a log line every 10 s otherwise. The total is
+    counted on a thread (Parquet footers, newlines) while the job starts."""
+
+    def __init__(self, files: list[Any]) -> None:
+        self.files = files
+        self.total: int | None = None
 
     def __enter__(self) -> _Progress:
+        import threading
+
         from tqdm import tqdm
 
         self.bar = tqdm(unit=" rows", dynamic_ncols=True) if sys.stderr.isatty() else None
         self.rows = self.tokens = 0
         self.start = self.last = time.perf_counter()
+        threading.Thread(target=self._count, name="ember-embed-count", daemon=True).start()
         return self
+
+    def _count(self) -> None:
+        from ember.batch.files import count_rows
+
+        try:
+            self.total = count_rows(self.files)
+        except OSError:
+            return
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
 
     def __call__(self, rows: int, tokens: int) -> None:
         self.rows += rows
         self.tokens += tokens
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.start)
+        elapsed = max(1e-9, time.perf_counter() - self.start)
+        rate = self.tokens / elapsed
         if self.bar is not None:
             self.bar.update(rows)
             self.bar.set_postfix_str(f"{rate:.0f} tokens/s")
         elif time.perf_counter() - self.last >= 10:
             self.last = time.perf_counter()
-            log.info("%d rows, %d tokens, %.0f tokens/s", self.rows, self.tokens, rate)
+            of = f" of {self.total}" if self.total else ""
+            left = (self.total - self.rows) / (self.rows / elapsed) if self.total and self.rows else None
+            eta = f", about {left:.0f} s left" if left is not None and left > 0 else ""
+            log.info("%d rows%s, %d tokens, %.0f tokens/s%s", self.rows, of, self.tokens, rate, eta)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
