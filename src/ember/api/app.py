@@ -23,7 +23,14 @@ from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.version import __version__
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "max_body_values"]
+
+
+def max_body_values(engine: AsyncEngine, config: ServerConfig) -> int:
+    """The most JSON values a request body may hold: a token id each for as many tokens as the queue takes, and a
+    few per input (brackets, an object's fields) for as many inputs as a request may carry. No admissible request
+    holds more, so a body past it is refused as it arrives, before it is parsed."""
+    return engine.config.max_queued_tokens + 8 * config.max_inputs_per_request + 4096
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
@@ -43,6 +50,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         version=__version__,
         description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
         lifespan=lifespan,
+        redirect_slashes=False,  # the edge serves /path/ as /path: a redirect would echo the client's Host header
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
     metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
@@ -64,5 +72,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     routers = (inference, pooling, scoring, cohere, invocations, sparse)
     protected = {route.path for router in routers for route in router.routes}  # type: ignore[attr-defined]
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
-                       api_keys=config.api_keys, protected=protected)  # fmt: skip
+                       api_keys=config.api_keys, protected=protected, max_body_values=max_body_values(engine, config),
+                       hold_answer=engine.hold_answer)  # fmt: skip
     return app

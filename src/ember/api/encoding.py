@@ -23,10 +23,12 @@ from ember.errors import InputError
 __all__ = [
     "COMPACT_TYPES",
     "EMBED_DTYPES",
+    "METADATA_ITEMS",
     "CompactType",
     "EmbedDType",
     "Endianness",
     "bytes_response",
+    "check_metadata",
     "encode",
     "quantize",
     "to_bytes",
@@ -84,6 +86,23 @@ def encode(vector: np.ndarray, encoding_format: str | None, embed_dtype: str, en
     if encoding_format == "base64":
         return base64.b64encode(to_bytes(vector, embed_dtype, endianness)).decode("ascii")
     return vector
+
+
+METADATA_ITEMS = 400
+"""Most vectors `bytes` describes in its `metadata` header: ~130 bytes each keeps the header under 56 KiB, inside
+what clients read in one header line (requests: 64 KiB; httpx: 100 KiB for the whole head; aiohttp only 8 KiB,
+some 60 vectors, unless raised with max_field_size). `bytes_only` has no such bound."""
+
+
+def check_metadata(count: int) -> None:
+    """Refuse `bytes` for more vectors than its header can describe, before any is computed."""
+    if count > METADATA_ITEMS:
+        raise InputError(
+            f"encoding_format 'bytes' describes each vector in a `metadata` response header, which clients cannot read "
+            f"for {count} vectors (at most {METADATA_ITEMS}): use 'bytes_only' (the same body: vectors back to back "
+            "in input order, each dimension x the embed_dtype's size), or send fewer inputs per request",
+            "encoding_format",
+        )
 
 
 def bytes_response(

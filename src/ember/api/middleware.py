@@ -1,18 +1,24 @@
-"""The edge middleware: request ids, the API key, body-size limit, access log and request metrics.
+"""The edge middleware: request ids, the API key, body bounds, answers held in the memory plan, access log, metrics.
 
 Pure ASGI (no BaseHTTPMiddleware), so it adds no task per request and never buffers bodies. The key is checked here,
-before a body is read, so a client without one gets 401 whatever it sends; an unexpected error becomes one logged
-traceback and an OpenAI-shaped 500 that still carries the request id.
+before a body is read, so a client without one gets 401 whatever it sends. A body is bounded twice as it streams in,
+before anything parses it: in bytes, and in JSON values (its commas, brackets and braces: parsing multiplies a
+body of millions of tiny values into gigabytes of objects, and would hold the event loop for seconds). A large
+answer is written in slices, each waiting for the client to take the one before, and counted in the memory plan
+(`AsyncEngine.hold_answer`) until its last byte is taken, so slow readers cannot hold more than the plan allows. A
+path with a trailing slash is served as without it (no redirect, which would echo the Host header). An unexpected
+error becomes one logged traceback and an OpenAI-shaped 500 that still carries the request id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from fastapi import HTTPException
@@ -20,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import error_response
 from ember.api.metrics import Metrics
+from ember.resources import release_free_memory
 
 __all__ = ["EdgeMiddleware", "key_matches"]
 
@@ -33,8 +40,23 @@ access-log fields); otherwise the server makes its own."""
 _KNOWN_PATHS = {
     "/v1/embeddings", "/embeddings", "/pooling", "/tokenize", "/detokenize", "/v1/models", "/health", "/ping",
     "/version", "/info", "/metrics", "/docs", "/openapi.json",
-    "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/v2/embed", "/invocations",
+    "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/v2/embed", "/invocations", "/embed_sparse",
 }  # fmt: skip
+
+SLICE_BYTES = 256 * 1024
+"""An answer larger than this is written in slices of it, each after the client took the one before."""
+
+LARGE_BODY_BYTES = 1024 * 1024
+"""After a request body this large, freed memory is handed back to the OS (off the event loop)."""
+
+_UNPRINTABLE = re.compile(r"[^\x21-\x7e]")
+
+
+def printable(text: str) -> str:
+    """`text` with spaces, control and non-ASCII characters escaped (\\xNN, \\uNNNN): one access-log field that no
+    path can split or forge."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii") if m.group() != " "
+                            else "\\x20", text)  # fmt: skip
 
 
 def key_matches(authorization: str, x_api_key: str, keys: Collection[str]) -> bool:
@@ -45,7 +67,15 @@ def key_matches(authorization: str, x_api_key: str, keys: Collection[str]) -> bo
 
 class PayloadTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
+
+
+class TooManyValues(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413, f"request body holds more JSON values than this server takes in one request ({limit}, from "
+            "--max-queued-tokens and --max-inputs-per-request): send its inputs in smaller requests",
+        )  # fmt: skip
 
 
 class EdgeMiddleware:
@@ -56,18 +86,24 @@ class EdgeMiddleware:
         max_body_bytes: int,
         api_keys: Collection[str] = (),
         protected: Collection[str] = (),
+        max_body_values: int | None = None,
+        hold_answer: Callable[[int], Callable[[], None]] | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_body_values = max_body_values
         self.api_keys = tuple(api_keys)
         self.protected = frozenset(protected)
+        self.hold_answer = hold_answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        if len(scope["path"]) > 1 and scope["path"].endswith("/"):
+            scope["path"] = scope["path"].rstrip("/") or "/"
         headers = dict(scope["headers"])
         if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
             # `curl -d` sends a form type; every ember body is JSON, so read it as such
@@ -78,10 +114,10 @@ class EdgeMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         status, started, body_cut = 500, False, False
         limit = self.max_body_bytes
-        if int(headers.get(b"content-length", b"0") or 0) > limit:
-            receive = _refuse(limit)
-        else:
-            receive = _counting(receive, limit)
+        declared = headers.get(b"content-length", b"0")
+        length = int(declared) if declared.isdigit() else 0
+        counted = _Counted(receive, limit, self.max_body_values)
+        receive = _refuse(limit) if length > limit else counted
 
         async def watched() -> Message:
             nonlocal body_cut
@@ -94,7 +130,10 @@ class EdgeMiddleware:
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
+            if message["type"] == "http.response.body" and len(message.get("body", b"")) > SLICE_BYTES:
+                await self._send_sliced(send, message)
+            else:
+                await send(message)
 
         try:
             if self.api_keys and scope["path"] in self.protected and not self._authorized(headers):
@@ -110,6 +149,24 @@ class EdgeMiddleware:
             if body_cut and status == 400:
                 status = 499  # the client went away before its body was read whole: not a bad request
             self._record(scope, status, time.perf_counter() - start, request_id)
+            if counted.seen >= LARGE_BODY_BYTES:  # its parsed objects are gone now: give their pages back
+                asyncio.get_running_loop().run_in_executor(None, release_free_memory)
+
+    async def _send_sliced(self, send: Send, message: Message) -> None:
+        """A large body in slices (uvicorn waits for the client to drain each before taking the next), counted in
+        the memory plan until the last is taken; a client that stops reading is cut off by the transport's write
+        timeout, which ends this too."""
+        body = memoryview(message["body"])
+        release = self.hold_answer(len(body)) if self.hold_answer is not None else None
+        try:
+            more = message.get("more_body", False)
+            for at in range(0, len(body), SLICE_BYTES):
+                last = at + SLICE_BYTES >= len(body)
+                await send({"type": "http.response.body", "body": bytes(body[at : at + SLICE_BYTES]),
+                            "more_body": more or not last})  # fmt: skip
+        finally:
+            if release is not None:
+                release()
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -125,7 +182,8 @@ class EdgeMiddleware:
             return  # probes and scrapes would drown the access log
         access_log.info(
             '%s "%s %s" %d id=%s total=%.1fms queue=%.1fms inference=%.1fms tokens=%d',
-            (scope.get("client") or ("-",))[0], scope["method"], path, status, request_id, seconds * 1000,
+            (scope.get("client") or ("-",))[0], printable(scope["method"]), printable(path), status, request_id,
+            seconds * 1000,
             state.get("queue_seconds", 0.0) * 1000, state.get("inference_seconds", 0.0) * 1000,
             state.get("tokens", 0),
         )  # fmt: skip
@@ -138,16 +196,23 @@ def _refuse(limit: int) -> Receive:
     return receive
 
 
-def _counting(receive: Receive, limit: int) -> Receive:
-    seen = 0
+class _Counted:
+    """The request's body as it arrives, refused (413) once over `limit` bytes or `values` JSON values."""
 
-    async def counted() -> Message:
-        nonlocal seen
-        message = await receive()
+    def __init__(self, receive: Receive, limit: int, values: int | None) -> None:
+        self.receive, self.limit, self.values = receive, limit, values
+        self.seen = self.structure = 0
+
+    async def __call__(self) -> Message:
+        message = await self.receive()
         if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise PayloadTooLarge(limit)
+            body = message.get("body", b"")
+            self.seen += len(body)
+            if self.seen > self.limit:
+                raise PayloadTooLarge(self.limit)
+            if self.values is not None:
+                # every JSON value past the first follows a comma or opens an array or object: an upper bound
+                self.structure += body.count(b",") + body.count(b"[") + body.count(b"{")
+                if self.structure > self.values:
+                    raise TooManyValues(self.values)
         return message
-
-    return counted

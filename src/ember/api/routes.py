@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
-from ember.api.encoding import bytes_response, encode, quantize
+from ember.api.encoding import bytes_response, check_metadata, encode, quantize
 from ember.api.metrics import Metrics
 from ember.api.middleware import key_matches
 from ember.api.responses import JSONBytes, usage
@@ -198,6 +198,8 @@ async def vectors_response(
     """Embed, then answer with one `{"index", "object": kind, field: vector}` per input, in input order
     (token_embed: each input's (tokens, D) vectors as nested lists, or their bytes row by row)."""
     check_count(request, input_count(body.input), "input")
+    if body.encoding_format == "bytes":
+        check_metadata(input_count(body.input))
     params = embed_params(body, output)
     compact = body.embedding_type != "float"
     if compact and body.embed_dtype != "float32":

@@ -8,9 +8,12 @@ for headers or a body that never finish: ~20,000 idle half-sent connections exha
   (half-sent headers, a stalled body, an idle keep-alive), so a probe or a real client still gets in while someone
   holds connections open; when every connection is computing a request, the new one is closed instead. Either way,
   one warning per 10 s with a count, never a traceback per connection;
-- a connection that stalls for `read_timeout` seconds while the server waits for its request (headers, or a body
-  not yet complete) is closed. A connection whose request is being computed is never timed out; an idle one
-  between requests is uvicorn's keep-alive timeout's.
+- a request must arrive whole (headers and body) within `read_timeout` seconds of its first byte, or its
+  connection is closed: the bound is on the whole request, so a client sending a byte every few seconds is cut off
+  like one that sends nothing. A connection whose request is being computed is never timed out; an idle one
+  between requests is uvicorn's keep-alive timeout's;
+- a connection whose client stops taking its answer for `write_timeout` seconds (the transport's buffer stays
+  full) is aborted, which frees the answer it held.
 """
 
 from __future__ import annotations
@@ -47,14 +50,16 @@ class _Refusals:
             self.count, self.last = 0, now
 
 
-def guarded_protocol(max_connections: int, read_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with the connection cap and read timeout above."""
+def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: float = 60.0) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with the connection cap and the read and write timeouts above."""
     refusals = _Refusals()
     base: Any = AutoHTTPProtocol
 
     class Guarded(base):
         _read_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
         _waiting_since = 0.0  # when the connection last began to wait for request bytes
+        _reading = False  # a request's first bytes have come and it is not yet whole
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -75,13 +80,33 @@ def guarded_protocol(max_connections: int, read_timeout: float) -> type[asyncio.
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if not self._reading or (self.cycle is not None and self.cycle.response_complete):
+                self._reading = True  # these bytes begin a request: its whole arrival is timed from now
+                self._arm()
             super().data_received(data)
-            self._arm()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._not_reading)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
+            for timer in (self._read_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
+
+        def _not_reading(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                log.info("closed a connection whose client took none of its answer for %.0f s", write_timeout)
+                self.transport.abort()
 
         def _waiting(self) -> bool:
             """Waiting for the client: no request yet, between requests, or a body not yet whole."""

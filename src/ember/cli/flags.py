@@ -177,7 +177,14 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         "--http-read-timeout",
         type=float,
         default=30.0,
-        help="seconds a client may stall while sending its request's headers or body before it is disconnected",
+        help="seconds a request may take to arrive whole (headers and body), from its first byte, before its "
+        "connection is closed",
+    )
+    p.add_argument(
+        "--http-write-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take none of its answer before its connection is closed (its answer freed)",
     )
     p.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection is kept (uvicorn)"
@@ -211,7 +218,11 @@ def check_runner(args: argparse.Namespace) -> None:
 
 
 def api_keys(flag_keys: list[str]) -> tuple[str, ...]:
-    """Keys from --api-key, else VLLM_API_KEY / EMBER_API_KEY (comma-separated allowed)."""
+    """Keys from --api-key, else VLLM_API_KEY / EMBER_API_KEY (comma-separated allowed). An empty --api-key is
+    refused: it reads as "require a key" but would let every request in."""
+    if any(not k.strip() for k in flag_keys):
+        raise ConfigError("--api-key '' is empty: it would accept requests without a key; give a non-empty key, or "
+                          "leave --api-key out to serve without one")  # fmt: skip
     if flag_keys:
         return tuple(flag_keys)
     keys: list[str] = []

@@ -139,6 +139,10 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     )
     app = create_app(engine, server)
     log.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    if not server.api_keys:
+        log.warning(
+            "no API key: any client that reaches this port may use it (--api-key or EMBER_API_KEY requires one)"
+        )
     connections = connection_limit(args.max_connections)
     uvicorn_config = uvicorn.Config(
         app,
@@ -148,7 +152,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         access_log=False,
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
         timeout_keep_alive=args.timeout_keep_alive,
-        http=guarded_protocol(connections, args.http_read_timeout),
+        http=guarded_protocol(connections, args.http_read_timeout, args.http_write_timeout),
     )
     server_ = _Server(uvicorn_config, on_exit=lambda: engine.drain(args.shutdown_grace))
     server_.run()

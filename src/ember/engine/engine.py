@@ -24,6 +24,7 @@ from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, dis
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
 from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
 from ember.resources import release_free_memory
+from ember.sizing import OUTPUT_VALUE_BYTES
 from ember.tokenizer import Tokenizer
 from ember.types import KernelStatus, ModelInfo, Output, Runner
 
@@ -199,6 +200,21 @@ class AsyncEngine:
             await asyncio.gather(self._task, return_exceptions=True)
         self._model_thread.shutdown(wait=not self.model_busy, cancel_futures=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def hold_answer(self, nbytes: int) -> Callable[[], None]:
+        """Count an answer body of `nbytes` in the memory plan's answers until the returned function is called (when
+        the transport has taken its last byte): a slow reader's answer is memory held like a queued one."""
+        vectors = -(-nbytes // max(1, self.info.dimension * OUTPUT_VALUE_BYTES))
+        self.scheduler.hold_answer(vectors)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.scheduler.release_answer(vectors)
+
+        return release
 
     async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run tokenizer work off the event loop."""

@@ -88,6 +88,7 @@ class Scheduler:
         self.queued_requests = 0  # admitted and not yet released
         self.queued_tokens = 0
         self.queued_vectors = 0  # answer vectors of admitted requests
+        self.held_vectors = 0  # answers computed and released, still being written to slow clients (hold_answer)
         self._heap: list[WorkItem] = []
         self._heap_tokens = 0
         self._running_tokens = 0  # tokens of the batch formed and not yet completed
@@ -142,10 +143,10 @@ class Scheduler:
         request = Request(windows, token_counts, now, pending, token_types, output, count)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
-            self.queued_requests > 0
+            (self.queued_requests > 0 or self.held_vectors > 0)
             and (
                 self.queued_tokens + request.tokens > cfg.max_queued_tokens
-                or self.queued_vectors + request.vectors > (cfg.max_queued_vectors or math.inf)
+                or self.queued_vectors + self.held_vectors + request.vectors > (cfg.max_queued_vectors or math.inf)
             )
         ):
             raise self.overloaded()
@@ -180,6 +181,14 @@ class Scheduler:
         self.queued_requests -= 1
         self.queued_tokens -= request.tokens
         self.queued_vectors -= request.vectors
+
+    def hold_answer(self, vectors: int) -> None:
+        """An answer of `vectors` (of the model's width) is still being written: it stays in the answers' budget,
+        so requests whose answers would not fit beside it are refused (429) rather than held in memory too."""
+        self.held_vectors += vectors
+
+    def release_answer(self, vectors: int) -> None:
+        self.held_vectors -= vectors
 
     def wait_seconds(self, now: float) -> float:
         """How long to wait for more requests before forming the next batch (0: start it now).
