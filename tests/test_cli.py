@@ -104,12 +104,13 @@ def test_doctor_refuses_what_serve_refuses_with_the_same_message():
 
 
 def test_doctor_reports_the_int8_plan():
-    out = _ember("doctor", "--json", "--quantization", "int8")
+    out = _ember("doctor", "--json", "--quantization", "int8", "--dtype", "float32")
     plain = _ember("doctor", "--json", "--dtype", "float32")
     assert out.returncode == 0, out.stdout + out.stderr
     model = json.loads(out.stdout)["model"]
     assert model["dtype"].endswith("(int8 weights)")
-    assert model["weights_bytes"] < json.loads(plain.stdout)["model"]["weights_bytes"] / 2
+    # the layers' matrices take a byte a weight instead of four; the embedding table (half of MiniLM) stays float32
+    assert model["weights_bytes"] < 0.8 * json.loads(plain.stdout)["model"]["weights_bytes"]
 
 
 def test_bench_errors_are_one_clear_line():
