@@ -204,12 +204,16 @@ class EngineConfig:
     native kernels are not governed by this: see NativeConfig."""
     eager_reason: str = "--enforce-eager"
     """Why the fused regions are off when compile_kernels is False (shown by /info and the start-up log)."""
+    cache_bytes: int = 0
+    """The embedding cache (--embedding-cache-size): the pooled output of every window computed, kept by its exact
+    token ids up to this many bytes (least recently used out first), so a repeated input is answered without the
+    model; taken from the memory plan's answer budget (at most a quarter of it). 0: off."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if number and value <= 0 and f.name != "batch_wait_seconds":
+            if number and value <= 0 and f.name not in ("batch_wait_seconds", "cache_bytes"):
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
 
 

@@ -59,6 +59,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
     metrics.memory_budget.set(config.memory_budget_bytes)
     metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
+    cache = engine.cache
+    metrics.watch_cache(lambda: None if cache is None else (cache.hits, cache.misses, cache.bytes, len(cache)))
     engine.observer = metrics.observe_batch
     install_error_handlers(app)
     install_openapi(app)

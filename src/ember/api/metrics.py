@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,6 +13,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Metrics"]
 
@@ -70,7 +72,31 @@ class Metrics:
         """Set ember_kernel_active{kernel=...} from `read` (kernel name -> active) at every scrape."""
         self._kernels = read
 
+    def watch_cache(self, read: Callable[[], tuple[int, int, int, int] | None]) -> None:
+        """Export the embedding cache's (hits, misses, bytes, entries) as read at scrape time (None: it is off)."""
+        self.registry.register(_CacheCollector(read))
+
     def render(self) -> bytes:
         for name, active in self._kernels().items():
             self.kernel_active.labels(kernel=name).set(1 if active else 0)
         return generate_latest(self.registry)
+
+
+class _CacheCollector:
+    """ember_embedding_cache_hits_total / _misses_total (counters), _bytes and _entries (gauges)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int, int] | None]) -> None:
+        self.read = read
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        state = self.read()
+        if state is None:
+            return
+        hits, misses, size, entries = state
+        yield CounterMetricFamily("ember_embedding_cache_hits", "Windows answered from the embedding cache", hits)
+        yield CounterMetricFamily("ember_embedding_cache_misses", "Windows the embedding cache did not hold", misses)
+        yield GaugeMetricFamily("ember_embedding_cache_bytes", "Bytes the embedding cache holds", size)
+        yield GaugeMetricFamily("ember_embedding_cache_entries", "Windows the embedding cache holds", entries)

@@ -181,6 +181,12 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         "connection is closed",
     )
     p.add_argument(
+        "--embedding-cache-size",
+        default="64M",
+        help="bytes of pooled outputs kept by exact token ids, so repeated inputs skip the model (taken from the "
+        "answers' memory budget; 0: off)",
+    )
+    p.add_argument(
         "--http-write-timeout",
         type=float,
         default=60.0,

@@ -125,6 +125,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         batch_wait_seconds=args.batch_wait_ms / 1000,
         compile_kernels=compile_kernels,
         eager_reason=eager_reason,
+        cache_bytes=parse_bytes(args.embedding_cache_size),
     )
     engine = build_engine(loaded, engine_config, tokenizer_threads=min(threads, 4))
     names = (loaded.info.name, *(args.served_model_name or [])[1:])

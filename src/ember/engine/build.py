@@ -43,7 +43,7 @@ from ember.ops.native import may_build
 from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
-from ember.sizing import MemoryPlan, activation_bytes_per_token, plan_memory
+from ember.sizing import OUTPUT_VALUE_BYTES, MemoryPlan, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
 from ember.types import Activation, ModelInfo, PoolingSpec
 
@@ -257,11 +257,18 @@ def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
 def build_engine(loaded: Loaded, config: EngineConfig | None = None, *, tokenizer_threads: int = 1) -> AsyncEngine:
     """The async engine over a loaded model, its batch and queue budgets those the memory plan allows (it warms
     the model up on its own thread when started)."""
+    config = config or EngineConfig()
+    answers, cache_bytes = loaded.memory.max_queued_vectors, config.cache_bytes
+    if answers is not None and cache_bytes:  # the cache is memory the answers' budget gives up
+        vector = max(1, loaded.info.dimension * OUTPUT_VALUE_BYTES)
+        cache_bytes = min(cache_bytes, answers * vector // 4)
+        answers -= cache_bytes // vector
     config = replace(
-        config or EngineConfig(),
+        config,
         max_num_batched_tokens=loaded.memory.max_batch_tokens,
         max_queued_tokens=loaded.memory.max_queued_tokens,
-        max_queued_vectors=loaded.memory.max_queued_vectors,
+        max_queued_vectors=answers,
+        cache_bytes=cache_bytes,
     )
     pooler = loaded.plan.config.pooler
     return AsyncEngine(loaded.runner, loaded.tokenizer, config, pooler, tokenizer_threads=tokenizer_threads)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import EngineConfig, PoolerConfig
+from ember.engine.cache import CACHED_OUTPUTS, EmbeddingCache
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
@@ -95,6 +96,8 @@ class AsyncEngine:
         self.preprocessor = Preprocessor(runner.info, tokenizer, pooler or PoolerConfig(), self.config.auto_truncate)
         self.pairs = PairPreprocessor(runner.info, tokenizer, self.config.auto_truncate)
         self.scheduler = Scheduler(self.config)
+        self.cache = EmbeddingCache(self.config.cache_bytes) if self.config.cache_bytes else None
+        """Outputs of windows already computed, by exact token ids (None: off)."""
         self.observer = observer
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
         self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
@@ -299,7 +302,11 @@ class AsyncEngine:
                 f"answers ({most}): send its inputs in smaller requests",
                 "input",
             )
-        request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout, vectors)
+        keys, known = self._cached(windows, types, output)
+        request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout, vectors, known)
+        if request.done:  # every window was in the cache
+            self.scheduler.release(request)
+            return request
         future = asyncio.get_running_loop().create_future()
         self._waiting[id(request)] = (request, future)
         assert self._wakeup is not None
@@ -309,7 +316,22 @@ class AsyncEngine:
         finally:
             del self._waiting[id(request)]
             self.scheduler.release(request)
+        if self.cache is not None and keys:
+            for at, key in keys.items():
+                if at not in known:
+                    self.cache.put(key, request.pooled.get(at))
         return request
+
+    def _cached(
+        self, windows: list[list[list[int]]], types: list[list[list[int]]] | None, output: Output
+    ) -> tuple[dict[tuple[int, int], bytes], dict[tuple[int, int], Any]]:
+        """Each window's cache key, and the outputs the cache already holds (none when it is off)."""
+        if self.cache is None or output not in CACHED_OUTPUTS:
+            return {}, {}
+        keys = {(i, j): EmbeddingCache.key(output, ids, types[i][j] if types else None)
+                for i, ws in enumerate(windows) for j, ids in enumerate(ws)}  # fmt: skip
+        known = {at: value for at, key in keys.items() if (value := self.cache.get(key)) is not None}
+        return keys, known
 
     @staticmethod
     def _times(request: Request) -> tuple[float, float]:

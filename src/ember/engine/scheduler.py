@@ -133,14 +133,18 @@ class Scheduler:
         output: Output = "embed",
         max_seconds: float | None = None,
         vectors: int | None = None,
+        done: dict[tuple[int, int], np.ndarray] | None = None,
     ) -> Request:
         """Queue a request's windows (with their token types, for pairs), or raise OverloadedError when the
         queue's budgets are spent, its estimated wait before it starts is over max_queue_seconds, or its wait and
         its own work are over `max_seconds` (the client's timeout). `output`: what it wants of each window;
-        `vectors`: what its answer holds, in vectors of the model's width (default: one per input)."""
-        pending = sum(len(ws) for ws in windows)
+        `vectors`: what its answer holds, in vectors of the model's width (default: one per input); `done`: windows
+        whose output is already known (the embedding cache), never queued."""
+        done = done or {}
+        pending = sum(len(ws) for ws in windows) - len(done)
         count = len(windows) if vectors is None else vectors
         request = Request(windows, token_counts, now, pending, token_types, output, count)
+        request.pooled.update(done)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
             (self.queued_requests > 0 or self.held_vectors > 0)
@@ -167,6 +171,8 @@ class Scheduler:
         deadline = now + request.tokens * self.seconds_per_token
         for i, ws in enumerate(windows):
             for j, ids in enumerate(ws):
+                if (i, j) in done:
+                    continue
                 types = token_types[i][j] if token_types else None
                 heapq.heappush(self._heap, WorkItem(deadline, next(self._counter), request, (i, j), ids, types))
                 self._heap_tokens += len(ids)
