@@ -56,9 +56,12 @@ def _machine() -> dict[str, Any]:
 
     flags = cpu_flags()
     cpu, mem = cpu_budget(), memory_budget()
+    # without bf16 matrix instructions torch's bf16 product is an emulation some 100x slower: a 2048 product would
+    # keep doctor busy for minutes, and a small one shows the same rate
+    bf16_size = 2048 if has_fast_bf16(flags) else 256
     gflops = {
         "float32": round(gemm_gflops(torch.float32, 2048)),
-        "bfloat16": round(gemm_gflops(torch.bfloat16, 2048)),
+        "bfloat16": round(gemm_gflops(torch.bfloat16, bf16_size, repeats=1 if bf16_size < 2048 else 3)),
     }
     kernels = {k.name: ("active: " if k.active else "off: ") + k.detail for k in build_kernels(native_config())}
     kernels["fused"] = (
