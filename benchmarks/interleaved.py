@@ -6,7 +6,10 @@ On a shared 2-vCPU VM the host's speed moves 2-3x between minutes, more than the
 servers measured one after the other. Alternating the order each round and taking medians of the
 per-round ratios cancels that drift. Only one server works at a time; the idle one waits.
 
-    python benchmarks/interleaved.py --peer-url http://127.0.0.1:8100 --peer-model NAME --peer-cmd "CMD" [--dtype int8]
+    python benchmarks/interleaved.py [--dtype int8] [--workloads query:3,queries:3,bulk:2,long:2]
+
+The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on the same cores as ember (pass
+--peer-cmd/--peer-url/--peer-model for another server, VLLM_BIND=auto for vLLM's own one-core default on 2 vCPUs).
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
 oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), so an AMX
@@ -76,9 +79,10 @@ def _compute_limit(dtype: str) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peer-url", required=True)
-    ap.add_argument("--peer-model", required=True)
-    ap.add_argument("--peer-cmd", required=True)
+    ap.add_argument("--peer-url", default="http://127.0.0.1:8100")
+    ap.add_argument("--peer-model", default="qwen3-emb-0.6b-random")
+    ap.add_argument("--peer-cmd", default="sh benchmarks/serve_vllm.sh",
+                    help="starts the peer (default: vLLM computing on ember's cores; VLLM_BIND=auto for its default)")
     ap.add_argument("--workloads", default="bulk:3,queries:3,mixed:2", help="key:rounds, comma-separated")
     ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
@@ -93,7 +97,8 @@ def main() -> None:
     limit = _compute_limit(args.dtype)
     print(f"compute limit: {limit['tokens_per_s']:.0f} tok/s ({limit['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
-    extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
+    extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}',
+             "--embedding-cache-size", "0"]  # every round's texts are new: the cache would only cost
     ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
     peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
     servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}
