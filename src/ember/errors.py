@@ -1,7 +1,8 @@
 """The one exception tree of ember.
 
 Foreign errors (tokenizers, safetensors, huggingface_hub, torch) are translated into these
-where they enter; the HTTP edge maps each class to an OpenAI-style status and error type.
+where they enter. Each class carries the HTTP status it means (`status`), so the edge's mapping is total: a new
+class is a 500 only if it says so.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ __all__ = [
 class EmberError(Exception):
     """Base of every error ember raises on purpose."""
 
+    status = 500
+
 
 class ConfigError(EmberError):
     """A flag, env var or config value is invalid; the message names it."""
@@ -39,6 +42,8 @@ class UnsupportedModelError(CheckpointError):
 class InputError(EmberError):
     """A request's input is invalid (HTTP 400). `param` names the offending field."""
 
+    status = 400
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
@@ -52,9 +57,13 @@ class InputTooLongError(InputError):
 class RequestTooLargeError(InputError):
     """One request holds more work than the server ever queues at once (HTTP 413): it could never be admitted."""
 
+    status = 413
+
 
 class OverloadedError(EmberError):
     """The queue is full (HTTP 429); `retry_after` is a hint in seconds."""
+
+    status = 429
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -64,6 +73,10 @@ class OverloadedError(EmberError):
 class ShuttingDownError(EmberError):
     """The server is draining and accepts no new work (HTTP 503)."""
 
+    status = 503
+
 
 class EngineDeadError(EmberError):
     """The model thread has failed and cannot embed any more (HTTP 503)."""
+
+    status = 503

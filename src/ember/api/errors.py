@@ -14,14 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from ember.api.responses import JSONBytes
-from ember.errors import (
-    EmberError,
-    EngineDeadError,
-    InputError,
-    OverloadedError,
-    RequestTooLargeError,
-    ShuttingDownError,
-)
+from ember.errors import EmberError, OverloadedError
 
 __all__ = ["error_response", "install_error_handlers"]
 
@@ -49,21 +42,9 @@ def error_response(
     return JSONBytes(body, status_code=status, headers=headers)
 
 
-def _status(exc: EmberError) -> int:
-    if isinstance(exc, RequestTooLargeError):
-        return 413
-    if isinstance(exc, InputError):
-        return 400
-    if isinstance(exc, OverloadedError):
-        return 429
-    if isinstance(exc, (ShuttingDownError, EngineDeadError)):
-        return 503
-    return 500
-
-
 async def _ember_error(request: Request, exc: Exception) -> JSONBytes:
     assert isinstance(exc, EmberError)
-    status = _status(exc)
+    status = exc.status
     if status == 500:
         log.error("request %s failed: %s", request.url.path, exc)
     headers = {"Retry-After": str(int(exc.retry_after))} if isinstance(exc, OverloadedError) else None
