@@ -81,8 +81,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer-url", default="http://127.0.0.1:8100")
     ap.add_argument("--peer-model", default="qwen3-emb-0.6b-random")
-    ap.add_argument("--peer-cmd", default="sh benchmarks/serve_vllm.sh",
-                    help="starts the peer (default: vLLM computing on ember's cores; VLLM_BIND=auto for its default)")
+    ap.add_argument(
+        "--peer-cmd",
+        default="sh benchmarks/serve_vllm.sh",
+        help="starts the peer (default: vLLM computing on ember's cores; VLLM_BIND=auto for its default)",
+    )
     ap.add_argument("--workloads", default="bulk:3,queries:3,mixed:2", help="key:rounds, comma-separated")
     ap.add_argument("--freeze-idle", action="store_true", help="SIGSTOP the server not being measured")
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
@@ -97,8 +100,16 @@ def main() -> None:
     limit = _compute_limit(args.dtype)
     print(f"compute limit: {limit['tokens_per_s']:.0f} tok/s ({limit['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
-    extra = ["--dtype", args.dtype, "--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}',
-             "--embedding-cache-size", "0"]  # every round's texts are new: the cache would only cost
+    extra = [
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        "8192",
+        "--pooler-config",
+        '{"enable_chunked_processing": true}',
+        "--embedding-cache-size",
+        "0",
+    ]  # every round's texts are new: the cache would only cost
     ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
     peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
     servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}

@@ -46,5 +46,6 @@ if __name__ == "__main__":
         compute_limit(
             sys.argv[1] if len(sys.argv) > 1 else "sentence-transformers/all-MiniLM-L6-v2",
             sys.argv[2] if len(sys.argv) > 2 else "bfloat16",
+            int(sys.argv[3]) if len(sys.argv) > 3 else 512,  # the sequence length attention's FLOPs are counted at
         )
     )

@@ -6,7 +6,7 @@
 #                              node for its frontend and so computes on ONE core of a 2-vCPU machine: pass
 #                              VLLM_BIND=auto to measure that default.
 #   LD_PRELOAD                 tcmalloc and Intel's OpenMP, as vLLM's CPU docs ask.
-#   VLLM_CPU_KVCACHE_SPACE     1 GiB: the least it takes for an embedding model (pooling keeps no KV cache
+#   VLLM_CPU_KVCACHE_SPACE     2 GiB: the least it takes for --max-model-len 8192 in float32 (pooling keeps no KV cache
 #                              between requests; vLLM still reserves it).
 #
 #   VENV=.vllm-venv MODEL=models/qwen3-emb-0.6b-random NAME=qwen3-emb-0.6b-random sh benchmarks/serve_vllm.sh [vllm args]
@@ -20,7 +20,7 @@ fi
 TCMALLOC=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 \
   2>/dev/null | head -1)
 IOMP=$(ls "$VENV"/lib/libiomp5.so 2>/dev/null | head -1)
-export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_OMP_THREADS_BIND=$VLLM_BIND
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} VLLM_CPU_OMP_THREADS_BIND=$VLLM_BIND
 export LD_PRELOAD="$TCMALLOC${IOMP:+:$IOMP}"
 echo "vLLM: VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=$LD_PRELOAD" >&2
 # `vllm serve` fails on the wheel's package name, so the module entry point is used

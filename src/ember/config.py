@@ -6,6 +6,7 @@ Field names follow vLLM's (`--pooler-config`, `--max-model-len`, ...) so users k
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, cast, get_args
 
@@ -267,6 +268,22 @@ class NativeConfig:
 
     def enabled(self, kernel: str) -> bool:
         return bool(getattr(self, kernel))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> NativeConfig:
+        """The operator's settings in `env` (os.environ, passed by an edge: the CLI, the offline and Ray APIs):
+        EMBER_NATIVE_* (0/false/no/off turns a kernel off), EMBER_CACHE_DIR (else $XDG_CACHE_HOME/ember, else
+        ~/.cache/ember, where prebuilt kernels of an image are found too) and CXX."""
+        off = ("0", "false", "no", "off")
+        xdg = env.get("XDG_CACHE_HOME")
+        return cls(
+            **{
+                kernel: env.get(cls.switch(kernel), "1").strip().lower() not in off
+                for kernel in ("attention", "int8_gemm", "elementwise", "linear")
+            },
+            cache_dir=env.get("EMBER_CACHE_DIR") or (f"{xdg}/ember" if xdg else None),
+            compiler=env.get("CXX") or None,
+        )
 
     @staticmethod
     def switch(kernel: str) -> str:

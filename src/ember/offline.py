@@ -86,7 +86,9 @@ class _Offline:
             quantization=quantization,
             max_batch_tokens=max_batch_tokens,
         )
-        self._loaded: Loaded = load(config, native)
+        # an API edge like the CLI: the operator's EMBER_NATIVE_*, EMBER_CACHE_DIR and CXX apply here too (the
+        # image's prebuilt kernels are found through EMBER_CACHE_DIR)
+        self._loaded: Loaded = load(config, native or NativeConfig.from_env(os.environ))
         self.kernels: list[KernelStatus] = self._loaded.runner.load_kernels()
         if not enforce_eager and can_compile():  # fused kernels, built now (a few seconds, cached on disk)
             self._loaded.runner.compile()

@@ -209,18 +209,8 @@ def cap_isa(tier: str | None) -> None:
 
 
 def native_config() -> NativeConfig:
-    """The native kernels' switches, cache directory and compiler, from EMBER_NATIVE_* (0/false/no/off turns
-    one off), EMBER_CACHE_DIR (else $XDG_CACHE_HOME/ember, else ~/.cache/ember) and CXX."""
-    off = ("0", "false", "no", "off")
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return NativeConfig(
-        **{
-            kernel: os.environ.get(NativeConfig.switch(kernel), "1").strip().lower() not in off
-            for kernel in ("attention", "int8_gemm", "elementwise", "linear")
-        },
-        cache_dir=os.environ.get("EMBER_CACHE_DIR") or (os.path.join(xdg, "ember") if xdg else None),
-        compiler=os.environ.get("CXX") or None,
-    )
+    """The native kernels' switches, cache directory and compiler, from the environment (NativeConfig.from_env)."""
+    return NativeConfig.from_env(os.environ)
 
 
 def _int_env(name: str) -> int | None:

@@ -42,6 +42,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,8 +356,11 @@ def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
         return out, "loaded from"
     if out.exists():
         log.warning("native %s: cached %s does not match its checksum; rebuilding it", source.stem, out)
+    # the first start on a machine compiles each kernel once (tens of seconds): say so before, and how long after
+    log.warning("native %s: compiling it for this CPU with %s, once (cached in %s)...", source.stem, compiler, cache)
+    start = time.perf_counter()
     _compile(compiler, source, out, _march())
-    log.info("native %s built: %s", source.stem, out)
+    log.warning("native %s built in %.0f s: %s", source.stem, time.perf_counter() - start, out)
     return out, "built into"
 
 
