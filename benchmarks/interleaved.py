@@ -111,7 +111,11 @@ def main() -> None:
         "0",
     ]  # every round's texts are new: the cache would only cost
     ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
-    peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
+    try:
+        peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
+    except BaseException:
+        stop(ours)  # a peer that fails to start must not leave ember holding the port
+        raise
     servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}
     results: dict[str, dict[str, list[Result]]] = {k: {"ember": [], "peer": []} for k, _ in plan}
     try:
