@@ -187,3 +187,32 @@ def test_a_float32_reranker_on_a_bf16_checkpoint_equals_transformers(kernel, tmp
     assert sum(isinstance(m, Bf16Linear) for m in model.modules()) == 2 * 4
     assert model.score.weight.dtype == torch.float32
     np.testing.assert_allclose(ours.score(PAIRS[:8]), _qwen3_reference(path, PAIRS[:8]), atol=1e-5)
+
+
+def test_float32_layers_packed_for_onednn_equal_nn_linear_across_the_row_slice():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    packed = linear_mod.PackedLinear(layer)
+    for rows in (1, 17, linear_mod.F32_SLICE + 5):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x, "gelu"), F.gelu(layer(x)), atol=1e-5, rtol=1e-5)
+    x = torch.randn(linear_mod.F32_SLICE + 5, 64)
+    torch.testing.assert_close(packed(x)[-3:], packed(x[-3:]), atol=1e-6, rtol=1e-6)  # a row alone = in a batch
+
+
+@pytest.mark.parametrize("family", ["bert", "qwen3"])
+def test_float32_models_on_onednn_match_sentence_transformers(monkeypatch, tmp_path, family):
+    """As on an AMD CPU: float32 layers packed for oneDNN, parity with the reference and batch invariance."""
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
+    path = build_bert(tmp_path / "m") if family == "bert" else build_qwen3(tmp_path / "m", dtype="float32")
+    embedder = Embedder(str(path), dtype="float32")
+    packed = sum(isinstance(m, linear_mod.PackedLinear) for m in embedder._loaded.runner.model.modules())
+    assert packed >= 8
+    ours, _ = embedder.embed(TEXTS)
+    assert cos(ours, st_reference(path, TEXTS)).min() >= 0.9999
+    alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
+    assert cos(alone, ours[:3]).min() >= 0.999999
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: False)
+    plain = Embedder(str(path), dtype="float32")
+    assert not any(isinstance(m, linear_mod.PackedLinear) for m in plain._loaded.runner.model.modules())

@@ -23,6 +23,7 @@ __all__ = [
     "auto_dtype",
     "check_tier",
     "cpu_flags",
+    "cpu_vendor",
     "find_compiler",
     "has_fast_bf16",
     "isa_tier",
@@ -90,6 +91,15 @@ def native_cpu_flags() -> frozenset[str]:
         if line.startswith(("flags", "Features")):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...; empty where it has none, as on ARM)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
 
 
 def amx_granted() -> bool:
