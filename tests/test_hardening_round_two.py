@@ -190,3 +190,32 @@ def test_in_a_700_mb_cgroup_no_8_mb_shape_kills_the_server_and_health_answers_wi
             prober.join()
             srv.stop()
     assert worst and max(worst) < 1.0, f"/health took {max(worst):.2f} s"
+
+
+def test_in_a_2_gib_cgroup_21_slow_readers_of_large_answers_do_not_kill_the_server(tmp_path_factory, tmp_path):
+    wide = build_bert(tmp_path_factory.mktemp("wide"), layers=1, hidden=256, heads=4)
+    text = "word " * 480
+    body = json.dumps({"input": [f"{i} {text}" for i in range(64)], "task": "token_embed"}).encode()
+    request = (b"POST /pooling HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+               % len(body)) + body  # fmt: skip
+    with real_v1_cgroup("memory", {"memory.limit_in_bytes": str(2048 * MiB)}) as cgroup:
+        srv = Server([str(wide), "--http-write-timeout", "30"], tmp_path / "log", preexec_fn=join_cgroup(cgroup))
+        readers = []
+        try:
+            for _ in range(21):  # each answer is ~80 MB of JSON; none of them is read
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.sendall(request)
+                readers.append(s)
+            time.sleep(15)
+            assert srv.proc.poll() is None, "the server was killed"
+            assert httpx.get(srv.url + "/health", timeout=2).status_code == 200
+            statuses = []
+            for s in readers:
+                s.settimeout(5)
+                statuses.append(s.recv(12)[9:12])
+            assert b"429" in statuses and b"200" in statuses, statuses  # the plan held some answers, refused the rest
+        finally:
+            for s in readers:
+                s.close()
+            srv.stop()
