@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.middleware.cors import CORSMiddleware
 
 from ember.api.cohere import cohere
 from ember.api.errors import install_error_handlers
@@ -33,8 +35,16 @@ def max_body_values(engine: AsyncEngine, config: ServerConfig) -> int:
     return engine.config.max_queued_tokens + 8 * config.max_inputs_per_request + 4096
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
-    """The HTTP app; starting it starts the engine, stopping it drains the engine."""
+def create_app(
+    engine: AsyncEngine,
+    config: ServerConfig,
+    metrics: Metrics | None = None,
+    *,
+    cors: dict[str, Any] | None = None,
+    docs: bool = True,
+) -> FastAPI:
+    """The HTTP app; starting it starts the engine, stopping it drains the engine. `cors`: Starlette CORSMiddleware's
+    settings (None: no cross-origin answers); `docs`: serve /docs, /redoc and /openapi.json."""
     metrics = metrics or Metrics()
 
     @asynccontextmanager
@@ -50,6 +60,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         version=__version__,
         description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
         redirect_slashes=False,  # the edge serves /path/ as /path: a redirect would echo the client's Host header
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
@@ -76,4 +89,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
                        api_keys=config.api_keys, protected=protected, max_body_values=max_body_values(engine, config),
                        hold_answer=engine.hold_answer)  # fmt: skip
+    if cors is not None:  # outermost: a preflight carries no API key and is answered before the key is checked
+        app.add_middleware(CORSMiddleware, **cors)
     return app

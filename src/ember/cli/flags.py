@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from ember.cli.frontend import add_frontend_flags
 from ember.config import DEFAULT_BATCH_TOKENS, parse_json_object
 from ember.errors import ConfigError
 
@@ -118,6 +119,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--memory-limit", default=None, help="memory to plan for, e.g. 4Gi (default: cgroup limit, else MemAvailable)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_frontend_flags(p)
     for flag in IGNORED_FLAGS:
         if flag in _IGNORED_SWITCHES:
             p.add_argument(flag, action="count", default=0, help=argparse.SUPPRESS)

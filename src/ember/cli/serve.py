@@ -105,11 +105,13 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     # torch is imported only now, after prepare_process has set the threads and the allocator
     from ember.api.app import create_app
     from ember.api.transport import guarded_protocol
+    from ember.cli.frontend import frontend
     from ember.engine.build import build_engine, load
     from ember.engine.cpu import set_threads
 
     set_threads(threads)
     check_runner(args)
+    front = frontend(args)  # TLS files, CORS lists: refused before the model loads
     warn_ignored(args)
     config = _model_config(args)
     # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
@@ -138,8 +140,9 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=loaded.memory.budget_bytes,
     )
-    app = create_app(engine, server)
-    log.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    app = create_app(engine, server, cors=front.cors, docs=front.docs)
+    where = f"unix socket {args.uds}" if args.uds else f"{front.scheme}://{args.host}:{args.port}"
+    log.info("serving %s on %s%s", names[0], where, front.uvicorn.get("root_path", ""))
     if not server.api_keys:
         log.warning(
             "no API key: any client that reaches this port may use it (--api-key or EMBER_API_KEY requires one)"
@@ -154,6 +157,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
         timeout_keep_alive=args.timeout_keep_alive,
         http=guarded_protocol(connections, args.http_read_timeout, args.http_write_timeout),
+        **front.uvicorn,
     )
     server_ = _Server(uvicorn_config, on_exit=lambda: engine.drain(args.shutdown_grace))
     server_.run()
