@@ -4,6 +4,7 @@ pages off, and each flag's mistakes refused naming it."""
 
 import datetime
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -75,7 +76,8 @@ def model(tmp_path_factory):
 
 
 def _serve(model, args, log, ready):
-    proc = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", str(model), "--enforce-eager", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", str(model), "--enforce-eager",
+                             "--shutdown-grace", "2", *args],
                             env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
     for _ in range(450):
         if proc.poll() is not None:
@@ -96,14 +98,16 @@ def test_https_serves_the_openai_sdk_and_can_require_client_certificates(model, 
     url = f"https://127.0.0.1:{port}"
     args = ["--port", str(port), "--host", "127.0.0.1", "--ssl-keyfile", key, "--ssl-certfile", cert,
             "--ssl-ca-certs", pki["ca"], "--ssl-cert-reqs", "2"]  # fmt: skip
-    trusted = httpx.Client(verify=pki["ca"], cert=(pki["client"][1], pki["client"][0]))
+    context = ssl.create_default_context(cafile=pki["ca"])
+    context.load_cert_chain(pki["client"][1], pki["client"][0])
+    trusted = httpx.Client(verify=context)
     proc = _serve(model, args, tmp_path / "log", lambda: trusted.get(url + "/health").status_code == 200)
     try:
         sdk = OpenAI(base_url=url + "/v1", api_key="unused", http_client=trusted)
         out = sdk.embeddings.create(model=str(model), input=["over TLS"])
         assert len(out.data[0].embedding) == 32
         with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake is refused
-            httpx.get(url + "/health", verify=pki["ca"])
+            httpx.get(url + "/health", verify=ssl.create_default_context(cafile=pki["ca"]))
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port
             httpx.get(f"http://127.0.0.1:{port}/health")
         assert (
@@ -112,7 +116,7 @@ def test_https_serves_the_openai_sdk_and_can_require_client_certificates(model, 
         )
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
 
 
 def test_a_unix_socket_serves_the_openai_sdk(model, tmp_path):
@@ -124,7 +128,7 @@ def test_a_unix_socket_serves_the_openai_sdk(model, tmp_path):
         assert len(sdk.embeddings.create(model=str(model), input="by socket").data) == 1
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
 
 
 def _app(runner, tokenizer, **kw):

@@ -55,15 +55,15 @@ def create_app(
         finally:
             await engine.stop(config.shutdown_grace_seconds)
 
-    app = FastAPIOffline(  # /docs and /redoc with their assets served from the package: no CDN, air-gap safe
+    # /docs and /redoc with their assets served from the package (no CDN, air-gap safe); none at all when turned off
+    pages: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = (FastAPIOffline if docs else FastAPI)(
         title="ember",
         version=__version__,
         description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
         lifespan=lifespan,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
-        openapi_url="/openapi.json" if docs else None,
         redirect_slashes=False,  # the edge serves /path/ as /path: a redirect would echo the client's Host header
+        **pages,
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
     metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
