@@ -50,6 +50,34 @@ class _Refusals:
             self.count, self.last = 0, now
 
 
+def _make_room(new: Any, kind: type, refusals: _Refusals, limit: int) -> bool:
+    """At the cap: close the connection that has waited longest for its request's bytes, or `new` itself when every
+    other one is computing a request; False when `new` was closed."""
+    refusals.note(limit)
+    others: list[Any] = [c for c in new.connections if isinstance(c, kind) and c is not new]
+    others = [c for c in others if c._waiting()]
+    victim = min(others, key=lambda c: c._waiting_since, default=None)
+    if victim is None:
+        new.connections.discard(new)
+        new.transport.abort()
+        return False
+    victim.connections.discard(victim)
+    victim.transport.abort()
+    return True
+
+
+def _cancel(*timers: asyncio.TimerHandle | None) -> None:
+    for timer in timers:
+        if timer is not None:
+            timer.cancel()
+
+
+def _abort_stalled_reader(transport: asyncio.BaseTransport, seconds: float) -> None:
+    if not transport.is_closing():
+        log.info("closed a connection whose client took none of its answer for %.0f s", seconds)
+        transport.abort()  # type: ignore[attr-defined]
+
+
 def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: float = 60.0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the connection cap and the read and write timeouts above."""
     refusals = _Refusals()
@@ -64,19 +92,8 @@ def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: f
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._waiting_since = time.monotonic()
-            if len(self.connections) > max_connections:
-                refusals.note(max_connections)
-                victim = min(
-                    (c for c in self.connections if isinstance(c, Guarded) and c is not self and c._waiting()),
-                    key=lambda c: c._waiting_since,
-                    default=None,
-                )
-                if victim is None:
-                    self.connections.discard(self)
-                    transport.abort()
-                    return
-                victim.connections.discard(victim)
-                victim.transport.abort()
+            if len(self.connections) > max_connections and not _make_room(self, Guarded, refusals, max_connections):
+                return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -92,21 +109,16 @@ def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: f
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
+            _cancel(self._write_timer)
+            self._write_timer = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            for timer in (self._read_timer, self._write_timer):
-                if timer is not None:
-                    timer.cancel()
+            _cancel(self._read_timer, self._write_timer)
             super().connection_lost(exc)
 
         def _not_reading(self) -> None:
             self._write_timer = None
-            if not self.transport.is_closing():
-                log.info("closed a connection whose client took none of its answer for %.0f s", write_timeout)
-                self.transport.abort()
+            _abort_stalled_reader(self.transport, write_timeout)
 
         def _waiting(self) -> bool:
             """Waiting for the client: no request yet, between requests, or a body not yet whole."""

@@ -32,14 +32,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ember.batch.backend import Embed, Embedded, probe_dimension, usable_texts
+from ember.batch.backend import Embed, probe_dimension, usable_texts
 from ember.batch.cache import VectorCache
-from ember.batch.files import MAX_LINE_BYTES, Source, input_files, read_batches, sources
+from ember.batch.files import MAX_LINE_BYTES
+from ember.batch.inputs import Inputs, check_inputs, digest, duplicate_ids, input_ids, parts
 from ember.batch.manifest import MANIFEST, Manifest, lock_output
 from ember.batch.npy import assemble
+from ember.batch.rows import Memo, Rows, Slices, embed_rows, fit_texts
 from ember.errors import ConfigError, InputError
 
 __all__ = ["EmbedJob", "Inputs", "JobSummary", "check_inputs", "run_job"]
@@ -101,43 +102,6 @@ class JobSummary:
         )
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """The input files, checked: every named column is in every file; ids are written as one type."""
-
-    files: list[Path]
-    id_type: pa.DataType | None
-
-
-def check_inputs(job: EmbedJob) -> Inputs:
-    """Every file's columns (from its first rows; Parquet: its footer), before a model is loaded: a column missing
-    anywhere is refused with the columns that exist. Ids of mixed types across files are written as strings."""
-    files = input_files(list(job.inputs))
-    found = sources(files, job.text_column, job.max_text_bytes)
-    named = [(job.text_column, "--text-column"), (job.id_column, "--id-column")]
-    named += [(c, "--keep-columns") for c in job.keep_columns]
-    for source in found:
-        for column, flag in named:
-            if column and column not in source.schema.names:
-                raise InputError(f"{source.path} has no column {column!r} ({flag}); its columns: "
-                                 f"{', '.join(source.schema.names)}", "input")  # fmt: skip
-    return Inputs(files, _id_type(found, job.id_column))
-
-
-def _id_type(found: list[Source], column: str | None) -> pa.DataType | None:
-    if column is None:
-        return None
-    types = {s.path: s.schema.field(column).type for s in found}
-    distinct = {t for t in types.values() if t != pa.null()}
-    if len(distinct) <= 1:
-        return next(iter(distinct), pa.string())
-    if all(pa.types.is_integer(t) for t in distinct):
-        return pa.int64()
-    log.warning("--id-column %r holds %s: every id is written as a string", column,
-                ", ".join(f"{t} in {p.name}" for p, t in list(types.items())[:4]))  # fmt: skip
-    return pa.string()
-
-
 def _signature(job: EmbedJob) -> str:
     fields = {"inputs": list(job.inputs), "text_column": job.text_column, "id_column": job.id_column,
               "keep_columns": list(job.keep_columns), "part_rows": job.part_rows, "options": job.options,
@@ -145,128 +109,15 @@ def _signature(job: EmbedJob) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _parts(job: EmbedJob, inputs: Inputs) -> Iterator[tuple[int, int, pa.Table]]:
-    """(part index, its first row number, its rows) in input order."""
-    pending: list[pa.RecordBatch] = []
-    rows = first = part = 0
-    for _, batch in read_batches(inputs.files, job.text_column, job.part_rows, job.max_text_bytes):
-        pending.append(_with_id_type(batch, job.id_column, inputs.id_type))
-        rows += batch.num_rows
-        while rows >= job.part_rows:
-            table = pa.Table.from_batches(_unify(pending)).combine_chunks()
-            yield part, first, table.slice(0, job.part_rows)
-            rest = table.slice(job.part_rows)
-            pending, rows = ([rest.to_batches()[0]] if rest.num_rows else []), rest.num_rows
-            first, part = first + job.part_rows, part + 1
-    if rows:
-        yield part, first, pa.Table.from_batches(_unify(pending)).combine_chunks()
-
-
-def _with_id_type(batch: pa.RecordBatch, column: str | None, kind: pa.DataType | None) -> pa.RecordBatch:
-    if column is None or kind is None or batch.schema.field(column).type == kind:
-        return batch
-    at = batch.schema.get_field_index(column)
-    return batch.set_column(at, pa.field(column, kind), pc.cast(batch.column(at), kind))
-
-
-def _unify(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    """Batches of files whose inferred schemas differ (a column null in one file, text in another) as one schema."""
-    schema = pa.unify_schemas([b.schema for b in batches], promote_options="permissive")
-    return [pa.Table.from_batches([b]).cast(schema, safe=False).to_batches()[0] if b.schema != schema else b
-            for b in batches]  # fmt: skip
-
-
-def _digest(table: pa.Table, job: EmbedJob, start: int, stop: int) -> str:
-    """A hash of rows [start, stop) as read: their text and id, so a changed input is noticed on resume."""
-    h = hashlib.sha256()
-    for name in (job.text_column, job.id_column):
-        if name:
-            for value in table.column(name).slice(start, stop - start).to_pylist():
-                h.update(repr(value).encode("utf-8", "surrogatepass") + b"\x1f")
-    return h.hexdigest()[:24]
-
-
 def _check_unchanged(manifest: Manifest, part: tuple[int, int, pa.Table], job: EmbedJob) -> None:
     index, first, table = part
     for segment in manifest.parts.get(index, []):
         end = segment.offset + segment.rows
-        if end > table.num_rows or (segment.digest and segment.digest != _digest(table, job, segment.offset, end)):
+        if end > table.num_rows or (segment.digest and segment.digest != digest(table, job, segment.offset, end)):
             raise ConfigError(
                 f"the input changed since rows {first + segment.offset}-{first + end - 1} were embedded into "
                 f"{job.output}: pass --overwrite to start over, or write to another output directory"
             )
-
-
-@dataclass
-class _Rows:
-    """A slice's texts embedded: which of them were kept, their vectors and tokens, and what was skipped."""
-
-    kept: list[int]
-    vectors: np.ndarray
-    tokens: list[int | None]
-    skipped: Counter[str]
-    embedded: int = 0
-    cached: int = 0
-    model_tokens: int = 0
-
-
-_Memo = dict[str, tuple[np.ndarray, int | None] | str]
-"""A part's texts done so far: vector and tokens, or why the model refused it."""
-
-
-def _embed_rows(embed: Embed, texts: list[str], cache: VectorCache | None, memo: _Memo, dim: int) -> _Rows:
-    """Embed each distinct text once (not again in the same part, and none the cache holds); a text the model
-    refuses is skipped and counted."""
-    distinct = [t for t in dict.fromkeys(texts) if t not in memo]
-    hits = cache.get(distinct) if cache is not None else {}
-    for j, (vector, count) in hits.items():
-        memo[distinct[j]] = (vector, count)
-    misses = [t for j, t in enumerate(distinct) if j not in hits]
-    result = embed(misses) if misses else Embedded(np.zeros((0, dim), np.float32), [], 0)
-    ok = [k for k in range(len(misses)) if k not in result.refused]
-    for k, why in result.refused.items():
-        memo[misses[k]] = why
-    for k in ok:
-        memo[misses[k]] = (result.vectors[k], result.tokens[k] if result.tokens is not None else None)
-    if cache is not None and ok:
-        tokens = None if result.tokens is None else [result.tokens[k] for k in ok]
-        cache.put([misses[k] for k in ok], result.vectors[ok], tokens)
-    kept = [i for i, t in enumerate(texts) if not isinstance(memo[t], str)]
-    done = [d for i in kept if not isinstance(d := memo[texts[i]], str)]
-    vectors = np.stack([d[0] for d in done]) if done else np.zeros((0, dim), np.float32)
-    hit_texts = {distinct[j] for j in hits}
-    return _Rows(kept, vectors.reshape(len(kept), dim), [d[1] for d in done],
-                 Counter(str(memo[t]) for t in texts if isinstance(memo[t], str)), len(misses),
-                 sum(1 for i in kept if texts[i] in hit_texts), result.total_tokens)  # fmt: skip
-
-
-def _fit_texts(job: EmbedJob, texts: list[str], skipped: Counter[str]) -> tuple[list[int], list[str]]:
-    """Texts too long to ever be used whole: cut (with truncation on) or skipped, before any is tokenized."""
-    limit, cut = job.max_text_bytes, bool(job.options.get("truncate"))
-    keep, fitted = [], []
-    for i, text in enumerate(texts):
-        if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
-            if not cut:
-                skipped["too long"] += 1
-                continue
-            text = text.encode("utf-8", "surrogatepass")[:limit].decode("utf-8", "ignore")
-        keep.append(i)
-        fitted.append(text)
-    return keep, fitted
-
-
-class _Slices:
-    """Rows per call to the model: about SECONDS of work, so progress moves and a stop is seen within seconds."""
-
-    SECONDS = 5.0
-    SMALLEST, LARGEST = 16, 1024
-
-    def __init__(self) -> None:
-        self.rows = self.SMALLEST
-
-    def observe(self, rows: int, seconds: float) -> None:
-        rate = rows / max(seconds, 1e-3)
-        self.rows = int(min(self.LARGEST, max(self.SMALLEST, rate * self.SECONDS)))
 
 
 @dataclass
@@ -282,7 +133,7 @@ class _Run:
     progress: Callable[[int, int], None] | None
     stop: Callable[[], bool] | None
     summary: JobSummary
-    slices: _Slices = field(default_factory=_Slices)
+    slices: Slices = field(default_factory=Slices)
 
     def asked_to_stop(self) -> bool:
         return self.stop is not None and self.stop()
@@ -293,7 +144,7 @@ def _write_part(run: _Run, part: tuple[int, int, pa.Table]) -> bool:
     the part short."""
     index, table = part[0], part[2]
     offset = pos = run.manifest.covered(index)
-    memo: _Memo = {}
+    memo: Memo = {}
     kept: list[int] = []
     vectors: list[np.ndarray] = []
     tokens: list[int | None] = []
@@ -303,8 +154,8 @@ def _write_part(run: _Run, part: tuple[int, int, pa.Table]) -> bool:
         rows = table.slice(pos, run.slices.rows)
         start = time.perf_counter()
         keep, texts, why = usable_texts(rows.column(run.job.text_column).to_pylist())
-        fit, texts = _fit_texts(run.job, texts, why)
-        done = _embed_rows(run.embed, texts, run.cache, memo, run.dim)
+        fit, texts = fit_texts(run.job, texts, why)
+        done = embed_rows(run.embed, texts, run.cache, memo, run.dim)
         run.slices.observe(rows.num_rows, time.perf_counter() - start)
         kept += [pos + keep[fit[k]] for k in done.kept]
         vectors.append(done.vectors)
@@ -319,7 +170,7 @@ def _write_part(run: _Run, part: tuple[int, int, pa.Table]) -> bool:
     return stopped
 
 
-def _count(summary: JobSummary, done: _Rows) -> None:
+def _count(summary: JobSummary, done: Rows) -> None:
     summary.documents += len(done.kept)
     summary.embedded += done.embedded
     summary.cached += done.cached
@@ -352,7 +203,7 @@ def _write_file(
     os.replace(tmp, path)  # whole or absent
     run.manifest.record({"part": index, "offset": offset, "first_row": first + offset, "rows": end - offset,
                          "written": len(kept), "skipped": dict(skipped),
-                         "digest": _digest(table, job, offset, end)})  # fmt: skip
+                         "digest": digest(table, job, offset, end)})  # fmt: skip
     run.summary.skipped += skipped
     run.summary.parts_written += 1
 
@@ -386,22 +237,6 @@ def _prefetched(parts: Iterator[tuple[int, int, pa.Table]]) -> Iterator[tuple[in
             yield item
     finally:
         closed.set()
-
-
-def duplicate_ids(tables: Iterator[pa.Table]) -> tuple[int, Any]:
-    """(rows whose id an earlier row has, one such id) over the `id` column of the tables."""
-    ids = [t.column("id") for t in tables]
-    if not ids:
-        return 0, None
-    counts = pc.value_counts(pa.chunked_array([c for a in ids for c in a.chunks], ids[0].type).combine_chunks())
-    repeated = counts.filter(pc.greater(counts.field("counts"), 1))
-    extra = int(pc.sum(repeated.field("counts")).as_py() or 0) - len(repeated)
-    return extra, repeated.field("values")[0].as_py() if len(repeated) else None
-
-
-def _input_ids(job: EmbedJob, inputs: Inputs) -> Iterator[pa.Table]:
-    for part in _parts(job, inputs):
-        yield pa.table({"id": part[2].column(job.id_column)})
 
 
 @contextlib.contextmanager
@@ -441,7 +276,7 @@ def run_job(
             if job.format == "npy" and manifest.assembled:
                 return summary  # finished earlier: nothing left to do
             if job.unique_ids and job.id_column:
-                count, example = duplicate_ids(_input_ids(job, inputs))
+                count, example = duplicate_ids(input_ids(job, inputs))
                 if count:
                     raise InputError(f"--unique-ids: {count} rows repeat an earlier row's id (e.g. {example!r})")
             run = _Run(job, out, manifest, embed, cache, probe_dimension(embed), progress, stop, summary)
@@ -452,7 +287,7 @@ def run_job(
 
 def _run_parts(run: _Run, inputs: Inputs) -> None:
     summary, job = run.summary, run.job
-    for part in _prefetched(_parts(job, inputs)):
+    for part in _prefetched(parts(job, inputs)):
         _check_unchanged(run.manifest, part, job)
         if run.manifest.covered(part[0]) >= part[2].num_rows:
             summary.parts_skipped += 1

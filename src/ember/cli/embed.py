@@ -148,7 +148,8 @@ def _job(args: argparse.Namespace, max_text_bytes: int | None = None) -> Any:
 
 def _embed(args: argparse.Namespace, threads: int) -> int:
     from ember.batch.cache import VectorCache
-    from ember.batch.job import check_inputs, run_job
+    from ember.batch.inputs import check_inputs
+    from ember.batch.job import run_job
 
     inputs = check_inputs(_job(args))  # every named column, before a model is loaded
     embed, identity, close, longest = _backend(args, threads)

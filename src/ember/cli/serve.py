@@ -100,6 +100,32 @@ def _compile_kernels(enforce_eager: bool) -> tuple[bool, str]:
     return True, ""
 
 
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    compile_kernels, eager_reason = _compile_kernels(args.enforce_eager)
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_seconds=args.max_queue_seconds,
+        auto_truncate=args.truncate,
+        batch_wait_seconds=args.batch_wait_ms / 1000,
+        compile_kernels=compile_kernels,
+        eager_reason=eager_reason,
+        cache_bytes=parse_bytes(args.embedding_cache_size),
+    )
+
+
+def _server_config(args: argparse.Namespace, names: tuple[str, ...], path: str, budget: int) -> ServerConfig:
+    return ServerConfig(
+        served_model_names=names,
+        model_path=path,
+        api_keys=api_keys(args.api_key),
+        max_request_bytes=parse_bytes(args.max_request_bytes),
+        max_inputs_per_request=max_inputs_per_request(args.max_inputs_per_request),
+        shutdown_grace_seconds=args.shutdown_grace,
+        memory_budget_bytes=budget,
+    )
+
+
 def _serve(args: argparse.Namespace, threads: int) -> int:
     """The wiring, in order: model (tokenizer, weights, memory plan), engine, server configuration, app, uvicorn."""
     # torch is imported only now, after prepare_process has set the threads and the allocator
@@ -118,28 +144,9 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
         loaded = loader.submit(load, config, native_config()).result()
-    compile_kernels, eager_reason = _compile_kernels(args.enforce_eager)
-    engine_config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_queued_requests=args.max_queued_requests,
-        max_queue_seconds=args.max_queue_seconds,
-        auto_truncate=args.truncate,
-        batch_wait_seconds=args.batch_wait_ms / 1000,
-        compile_kernels=compile_kernels,
-        eager_reason=eager_reason,
-        cache_bytes=parse_bytes(args.embedding_cache_size),
-    )
-    engine = build_engine(loaded, engine_config, tokenizer_threads=min(threads, 4))
+    engine = build_engine(loaded, _engine_config(args), tokenizer_threads=min(threads, 4))
     names = (loaded.info.name, *(args.served_model_name or [])[1:])
-    server = ServerConfig(
-        served_model_names=names,
-        model_path=str(loaded.plan.path),
-        api_keys=api_keys(args.api_key),
-        max_request_bytes=parse_bytes(args.max_request_bytes),
-        max_inputs_per_request=max_inputs_per_request(args.max_inputs_per_request),
-        shutdown_grace_seconds=args.shutdown_grace,
-        memory_budget_bytes=loaded.memory.budget_bytes,
-    )
+    server = _server_config(args, names, str(loaded.plan.path), loaded.memory.budget_bytes)
     app = create_app(engine, server, cors=front.cors, docs=front.docs)
     where = f"unix socket {args.uds}" if args.uds else f"{front.scheme}://{args.host}:{args.port}"
     log.info("serving %s on %s%s", names[0], where, front.uvicorn.get("root_path", ""))

@@ -43,6 +43,16 @@ class EmbeddingCache:
             h.update(np.asarray(types, np.int8).tobytes())
         return h.digest()
 
+    def lookup(
+        self, windows: list[list[list[int]]], types: list[list[list[int]]] | None, output: str
+    ) -> tuple[dict[tuple[int, int], bytes], dict[tuple[int, int], np.ndarray]]:
+        """Each window's key (by (input, window)), and the outputs held for them (none for outputs not kept)."""
+        if output not in CACHED_OUTPUTS:
+            return {}, {}
+        keys = {(i, j): self.key(output, ids, types[i][j] if types else None)
+                for i, ws in enumerate(windows) for j, ids in enumerate(ws)}  # fmt: skip
+        return keys, {at: value for at, key in keys.items() if (value := self.get(key)) is not None}
+
     def get(self, key: bytes) -> np.ndarray | None:
         value = self._entries.get(key)
         if value is None:

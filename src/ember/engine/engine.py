@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import EngineConfig, PoolerConfig
-from ember.engine.cache import CACHED_OUTPUTS, EmbeddingCache
+from ember.engine.cache import EmbeddingCache
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
@@ -302,7 +302,7 @@ class AsyncEngine:
                 f"answers ({most}): send its inputs in smaller requests",
                 "input",
             )
-        keys, known = self._cached(windows, types, output)
+        keys, known = self.cache.lookup(windows, types, output) if self.cache is not None else ({}, {})
         request = self.scheduler.admit(windows, counts, time.monotonic(), types, output, timeout, vectors, known)
         if request.done:  # every window was in the cache
             self.scheduler.release(request)
@@ -321,17 +321,6 @@ class AsyncEngine:
                 if at not in known:
                     self.cache.put(key, request.pooled.get(at))
         return request
-
-    def _cached(
-        self, windows: list[list[list[int]]], types: list[list[list[int]]] | None, output: Output
-    ) -> tuple[dict[tuple[int, int], bytes], dict[tuple[int, int], Any]]:
-        """Each window's cache key, and the outputs the cache already holds (none when it is off)."""
-        if self.cache is None or output not in CACHED_OUTPUTS:
-            return {}, {}
-        keys = {(i, j): EmbeddingCache.key(output, ids, types[i][j] if types else None)
-                for i, ws in enumerate(windows) for j, ids in enumerate(ws)}  # fmt: skip
-        known = {at: value for at, key in keys.items() if (value := self.cache.get(key)) is not None}
-        return keys, known
 
     @staticmethod
     def _times(request: Request) -> tuple[float, float]:
