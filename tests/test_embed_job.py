@@ -246,3 +246,11 @@ def test_ray_leaves_ray_data_a_cpu_on_small_clusters(monkeypatch):
     nodes([2])
     with pytest.raises(ConfigError, match="Ray Data's file listing needs one"):
         ember_ray._pool(2, 1)
+
+
+def test_a_jsonl_line_of_several_mebibytes_within_the_bound_is_read(tmp_path):
+    big = "word " * (600_000)  # 3 MB on one line: more than pyarrow's default 1 MiB block
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": big}) + "\n")
+    model = FakeModel()
+    summary = run_job(EmbedJob((str(tmp_path / "in.jsonl"),), str(tmp_path / "out"), max_text_bytes=8 << 20), model)
+    assert summary.documents == 2 and big in model.seen

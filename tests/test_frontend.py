@@ -177,3 +177,12 @@ def test_frontend_mistakes_are_refused_naming_the_flag(argv, message):
     done = subprocess.run([sys.executable, "-m", "ember.cli.main", "serve", *argv], capture_output=True, text=True,
                           env=ENV, timeout=300)  # fmt: skip
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_behind_a_root_path_the_key_is_still_checked_and_metrics_name_the_route(runner, tokenizer):
+    # uvicorn with --root-path gives the app scope["path"] with the prefix in it (as here) and root_path beside it
+    with TestClient(_app(runner, tokenizer), root_path="/ember") as c:
+        assert c.post("/ember/v1/embeddings", json={"input": "x"}).status_code == 401
+        ok = c.post("/ember/v1/embeddings", json={"input": "x"}, headers={"authorization": "Bearer k"})
+        assert ok.status_code == 200
+        assert 'endpoint="/v1/embeddings",status="401"' in c.get("/ember/metrics").text

@@ -28,7 +28,7 @@ from ember.api.errors import error_response
 from ember.api.metrics import Metrics
 from ember.resources import release_free_memory
 
-__all__ = ["EdgeMiddleware", "key_matches"]
+__all__ = ["EdgeMiddleware", "key_matches", "route_path"]
 
 access_log = logging.getLogger("ember.access")
 log = logging.getLogger(__name__)
@@ -50,6 +50,13 @@ LARGE_BODY_BYTES = 1024 * 1024
 """After a request body this large, freed memory is handed back to the OS (off the event loop)."""
 
 _UNPRINTABLE = re.compile(r"[^\x21-\x7e]")
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes match: behind --root-path, uvicorn's scope["path"] carries the prefix (as the router sees
+    it, stripped here too), so the key check and the metrics see /v1/embeddings, never /prefix/v1/embeddings."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root) :] or "/") if root and path.startswith(root) else path
 
 
 def printable(text: str) -> str:
@@ -104,6 +111,7 @@ class EdgeMiddleware:
         start = time.perf_counter()
         if len(scope["path"]) > 1 and scope["path"].endswith("/"):
             scope["path"] = scope["path"].rstrip("/") or "/"
+        route = route_path(scope)
         headers = dict(scope["headers"])
         if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
             # `curl -d` sends a form type; every ember body is JSON, so read it as such
@@ -136,7 +144,7 @@ class EdgeMiddleware:
                 await send(message)
 
         try:
-            if self.api_keys and scope["path"] in self.protected and not self._authorized(headers):
+            if self.api_keys and route in self.protected and not self._authorized(headers):
                 response = error_response(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send_with_id)
             else:
@@ -173,7 +181,7 @@ class EdgeMiddleware:
         return key_matches(auth, headers.get(b"x-api-key", b"").decode("latin-1"), self.api_keys)
 
     def _record(self, scope: Scope, status: int, seconds: float, request_id: str) -> None:
-        path = scope["path"]
+        path = route_path(scope)
         endpoint = path if path in _KNOWN_PATHS else "other"
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.latency.labels(endpoint).observe(seconds)

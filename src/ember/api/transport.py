@@ -88,6 +88,7 @@ def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: f
         _write_timer: asyncio.TimerHandle | None = None
         _waiting_since = 0.0  # when the connection last began to wait for request bytes
         _reading = False  # a request's first bytes have come and it is not yet whole
+        _timed: object = None  # the finished request cycle whose successor's arrival is being timed
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -97,8 +98,9 @@ def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: f
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if not self._reading or (self.cycle is not None and self.cycle.response_complete):
-                self._reading = True  # these bytes begin a request: its whole arrival is timed from now
+            cycle = self.cycle  # a request's cycle exists only once its headers are whole
+            if not self._reading or (cycle is not None and cycle.response_complete and cycle is not self._timed):
+                self._reading, self._timed = True, cycle  # these bytes begin a request: timed whole from now
                 self._arm()
             super().data_received(data)
 

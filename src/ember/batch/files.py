@@ -186,8 +186,10 @@ def _json_lines(path: Path, column: str, rows: int, max_line_bytes: int) -> Iter
     def parse() -> Iterator[pa.RecordBatch]:
         nonlocal schema
         options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="infer")
+        data = b"\n".join(block) + b"\n"
+        reading = pa_json.ReadOptions(block_size=max(1 << 20, len(data) + 1))  # a line never straddles two blocks
         try:
-            table = pa_json.read_json(io.BytesIO(b"\n".join(block) + b"\n"), parse_options=options)
+            table = pa_json.read_json(io.BytesIO(data), read_options=reading, parse_options=options)
         except pa.ArrowInvalid as e:
             raise InputError(f"cannot read {path} (lines {first_line + 1}-{line_no}): {e}", "input") from None
         if schema is None:  # types the first block settled (a column null so far is still open)
