@@ -242,8 +242,9 @@ def test_ray_leaves_ray_data_a_cpu_on_small_clusters(monkeypatch):
     nodes([3])  # a local cluster of 2 CPUs started by ember embed --ray: one logical CPU more
     assert ember_ray._pool(None, None) == (2, 1)
     nodes([8, 8])
-    assert ember_ray._pool(None, None) == (4, 3)
+    assert ember_ray._pool(None, None) == (4, 4)  # the pool starts with one actor: the listing gets its CPU
     nodes([2])
+    assert ember_ray._pool(1, 2) == (1, 2)  # as asked: the first actor leaves a CPU
     with pytest.raises(ConfigError, match="Ray Data's file listing needs one"):
         ember_ray._pool(2, 1)
 

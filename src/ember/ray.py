@@ -216,22 +216,19 @@ def _local_cluster(address: str | None) -> dict[str, Any]:
 
 def _pool(cpus_per_actor: int | None, actors: int | None) -> tuple[int, int]:
     """(CPUs per actor, actors): an actor must fit on one node; by default min(4, the largest node's CPUs) each,
-    as many as the nodes hold, leaving one CPU of the cluster free for Ray Data's own tasks (with every CPU held by
-    actors, its file listing waits forever)."""
+    as many as the nodes hold. The pool starts with one actor and grows, so it is that first actor that must leave
+    Ray Data a CPU for its file listing (holding every CPU, the job waited forever)."""
     nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
     largest = max(nodes, default=0)
     per_actor = cpus_per_actor or max(1, min(4, largest))
     if per_actor > largest:
         raise ConfigError(f"--cpus-per-actor {per_actor}: no node of this cluster has that many CPUs ({largest})")
     pool = actors or max(1, sum(n // per_actor for n in nodes))
-    if pool * per_actor >= sum(nodes):  # nothing left for Ray Data's own tasks
-        if actors is None and pool > 1:
-            pool -= 1
-        elif cpus_per_actor is None and per_actor > 1:
-            per_actor -= 1
-        else:
-            raise ConfigError(f"{pool} actor(s) of {per_actor} CPU(s) would hold every CPU of the cluster "
-                              f"({sum(nodes)}), and Ray Data's file listing needs one: ask for fewer")  # fmt: skip
+    if per_actor >= sum(nodes):  # the pool's first actor would hold every CPU: the file listing never starts
+        if cpus_per_actor is not None:
+            raise ConfigError(f"--cpus-per-actor {per_actor} would hold every CPU of the cluster ({sum(nodes)}), and "
+                              "Ray Data's file listing needs one: ask for fewer")  # fmt: skip
+        per_actor -= 1
     return per_actor, pool
 
 

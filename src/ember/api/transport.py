@@ -80,15 +80,13 @@ def _abort_stalled_reader(transport: asyncio.BaseTransport, seconds: float) -> N
 
 def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: float = 60.0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the connection cap and the read and write timeouts above."""
-    refusals = _Refusals()
-    base: Any = AutoHTTPProtocol
+    refusals, base = _Refusals(), AutoHTTPProtocol
 
-    class Guarded(base):
+    class Guarded(base):  # type: ignore[valid-type,misc]
         _read_timer: asyncio.TimerHandle | None = None
         _write_timer: asyncio.TimerHandle | None = None
         _waiting_since = 0.0  # when the connection last began to wait for request bytes
-        _reading = False  # a request's first bytes have come and it is not yet whole
-        _timed: object = None  # the finished request cycle whose successor's arrival is being timed
+        _reading, _timed = False, None  # a request's bytes began; the finished cycle whose successor is timed
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
