@@ -21,6 +21,10 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from run import start_server, stop  # noqa: E402  (restarts this script under tcmalloc, as the server runs)
+
 QUERY = "how do I size an embedding server for a four core kubernetes pod"
 
 
@@ -83,9 +87,6 @@ def in_process(model: str, dtype: str, rounds: int) -> dict[str, float]:
 
 def over_http(model: str, dtype: str, rounds: int) -> float:
     import httpx
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from run import start_server, stop
 
     proc, _, _ = start_server(model, ["--dtype", dtype, "--embedding-cache-size", "0"])
     try:

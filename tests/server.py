@@ -14,6 +14,19 @@ from pathlib import Path
 import httpx
 
 
+def closed_by_server(s: socket.socket, within: float) -> bool:
+    """Whether the server closes `s` within `within` seconds (anything it sends first is read and dropped)."""
+    s.settimeout(within)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

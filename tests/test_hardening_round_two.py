@@ -20,7 +20,7 @@ from ember.config import EngineConfig, ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.engine.scheduler import Scheduler
 from ember.errors import OverloadedError
-from server import Server
+from server import Server, closed_by_server
 
 MiB = 1 << 20
 
@@ -105,18 +105,6 @@ def model_dir(tmp_path_factory):
     return build_bert(tmp_path_factory.mktemp("bert"), layers=1, hidden=32)
 
 
-def _closed_within(s: socket.socket, seconds: float) -> bool:
-    s.settimeout(seconds)
-    try:
-        while s.recv(65536):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_slowloris_and_slow_readers_are_cut_off_and_an_open_server_says_so(model_dir, tmp_path):
     srv = Server([str(model_dir), "--http-read-timeout", "1.5", "--http-write-timeout", "1"], tmp_path / "log")
     try:
@@ -131,7 +119,7 @@ def test_slowloris_and_slow_readers_are_cut_off_and_an_open_server_says_so(model
             time.sleep(0.25)  # each byte well inside the timeout: only a bound on the whole request stops it
             if time.monotonic() - start > 6:
                 break
-        assert closed or _closed_within(drip, 1), "a request dripping a byte at a time was never cut off"
+        assert closed or closed_by_server(drip, 1), "a request dripping a byte at a time was never cut off"
         assert time.monotonic() - start < 5
         reader = socket.create_connection(("127.0.0.1", srv.port))
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -82,12 +82,11 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys}
 
 
-def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int]:
-    """(what embeds, the model's identity for the cache, what to close, the longest text worth reading in bytes):
-    in-process, or the --url servers."""
+def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int | None]:
+    """(what embeds, the model's identity for the cache, what to close, the longest text worth reading in bytes, None
+    when the model does not say): in-process, or the --url servers."""
     from ember.batch.backend import local
     from ember.batch.cache import model_fingerprint
-    from ember.batch.files import MAX_LINE_BYTES
 
     params = _params(args)
     if args.url:
@@ -96,7 +95,7 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int
         key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
         remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size or 32,
                                 concurrency=args.concurrency, **params)  # fmt: skip
-        return remote, remote.model, remote.close, MAX_LINE_BYTES
+        return remote, remote.model, remote.close, None
     from ember.offline import Embedder
 
     embedder = Embedder(args.model, threads=threads, native=native_config(), **_model_options(args))
@@ -111,16 +110,14 @@ BYTES_PER_TOKEN = 32
 model's usable tokens times this could never be used whole."""
 
 
-def _longest_text(embedder: Any) -> int:
-    from ember.batch.files import MAX_LINE_BYTES
-
+def _longest_text(embedder: Any) -> int | None:
     pooler = embedder.preprocessor.pooler
     tokens = embedder.info.max_model_len
     if pooler.enable_chunked_processing:
         if pooler.max_embed_len is None:
-            return MAX_LINE_BYTES
+            return None
         tokens = pooler.max_embed_len
-    return max(1 << 16, min(MAX_LINE_BYTES, tokens * BYTES_PER_TOKEN))
+    return max(1 << 16, tokens * BYTES_PER_TOKEN)
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,8 +138,8 @@ def _job(args: argparse.Namespace, max_text_bytes: int | None = None) -> Any:
 
     return EmbedJob(
         tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
-        args.part_rows, args.overwrite, args.format, _options(args), max_text_bytes or MAX_LINE_BYTES,
-        args.unique_ids,
+        args.part_rows, args.overwrite, args.format, _options(args),
+        min(MAX_LINE_BYTES, max_text_bytes or MAX_LINE_BYTES), args.unique_ids,
     )  # fmt: skip
 
 
