@@ -141,17 +141,18 @@ def test_batches_run_at_rounded_token_counts_and_the_filler_changes_nothing(tmp_
     from ember.engine.runner import _positions, padded_tokens
     from ember.ops.pooling import pool
 
-    assert [padded_tokens(n) for n in (1, 16, 17, 511, 512, 513, 2047)] == [16, 16, 32, 512, 512, 576, 2048]
+    sizes = (1, 15, 16, 17, 18, 33, 100, 511, 512, 513, 2047)
+    assert [padded_tokens(n) for n in sizes] == [1, 15, 16, 18, 18, 36, 104, 512, 512, 576, 2048]
     path = build_qwen3(tmp_path) if kind == "qwen3" else build_bert(tmp_path)
     runner = Embedder(str(path), dtype="float32")._loaded.runner
-    batch = [[5, 6, 7], list(range(10, 30))]  # 23 tokens: run as 32, with a filler sequence of 9
+    batch = [[5, 6, 7], list(range(10, 30))]  # 23 tokens: run as 24, with a filler sequence of 1
     seen = []
     hook = runner.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
     try:
         ours = runner.embed(batch)
     finally:
         hook.remove()
-    assert seen == [32]
+    assert seen == [24]
     with torch.inference_mode():  # the same batch without a filler
         ids = torch.tensor([t for seq in batch for t in seq])
         hidden = runner.model(ids, _positions([3, 20]), [3, 20])

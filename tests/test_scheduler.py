@@ -234,3 +234,19 @@ def test_the_first_batch_does_not_count_before_its_cost_is_measured():
     admit(s, 5000)
     s.next_batch(0.0)  # running: 50 s at the default guess, which may be far off for this model
     admit(s, 10, now=0.1)  # not refused on a guess (nor told to retry in minutes)
+
+
+def test_windows_the_cache_answered_take_no_room_in_the_token_budget():
+    s = scheduler(max_queued_tokens=100)
+    admit(s, 90)
+    with pytest.raises(OverloadedError):  # 20 more tokens to compute: over the budget
+        admit(s, 20)
+    windows = [[[7] * 20], [[8] * 5]]
+    cached = {(0, 0): np.zeros(4, np.float32)}
+    request = s.admit(windows, [20, 5], 0.0, done=cached)  # only its 5 uncached tokens queue
+    assert request.tokens == 5 and s.queued_tokens == 95
+    whole = s.admit([[[7] * 20]], [20], 0.0, done=cached)  # all cached: admitted, done at once
+    assert whole.done and whole.tokens == 0
+    s.release(whole)
+    s.release(request)
+    assert s.queued_tokens == 90

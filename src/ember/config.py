@@ -26,13 +26,13 @@ __all__ = [
     "parse_json_object",
 ]
 
-ONEDNN_KERNEL_CACHE = 256
+ONEDNN_KERNEL_CACHE = 384
 """oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY, set where the process starts, before torch's first
-matmul, unless the operator set it): one per
-GEMM shape, 5-13 ms to build. Batches run at rounded token counts (runner.padded_tokens), so a model meets at most
-~60 row counts per GEMM up to the 2,048-token slice: 256 holds them for 4 GEMM shapes (server peak RSS unchanged,
-1.43 GiB over the int8 workloads). Unbounded (oneDNN's default 1,024) with unrounded batches, a server grew by
-~600 MB; bounded to 32, most batches rebuilt their kernels (benchmarks/NOTES.md)."""
+matmul, unless the operator set it): one per GEMM shape and row count, 5-13 ms to build at 1,000-1,500 rows. Batches
+run at rounded token counts (runner.padded_tokens), so a model meets at most ~80 row counts per GEMM up to the
+2,048-token slice: 384 holds them for 4 GEMM shapes with room to spare. Unbounded (oneDNN's default 1,024) with
+unrounded batches, a server grew by ~600 MB; bounded to 32, most batches rebuilt their kernels
+(benchmarks/NOTES.md)."""
 
 DEFAULT_BATCH_TOKENS = 2048
 """Token budget of one packed batch unless the operator sets one (--max-num-batched-tokens): the token slice

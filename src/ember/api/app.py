@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
@@ -25,6 +25,9 @@ from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.version import __version__
 
+if TYPE_CHECKING:
+    from ember.api.tracing import Tracing
+
 __all__ = ["create_app", "max_body_values"]
 
 
@@ -35,6 +38,19 @@ def max_body_values(engine: AsyncEngine, config: ServerConfig) -> int:
     return engine.config.max_queued_tokens + 8 * config.max_inputs_per_request + 4096
 
 
+def _watch(metrics: Metrics, engine: AsyncEngine, config: ServerConfig) -> None:
+    """The engine's gauges read at scrape time, its batches observed as they end."""
+    metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
+    metrics.watch(metrics.queued_tokens, lambda: engine.queued_tokens)
+    metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
+    metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
+    metrics.memory_budget.set(config.memory_budget_bytes)
+    metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
+    cache = engine.cache
+    metrics.watch_cache(lambda: None if cache is None else (cache.hits, cache.misses, cache.bytes, len(cache)))
+    engine.observer = metrics.observe_batch
+
+
 def create_app(
     engine: AsyncEngine,
     config: ServerConfig,
@@ -42,9 +58,11 @@ def create_app(
     *,
     cors: dict[str, Any] | None = None,
     docs: bool = True,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The HTTP app; starting it starts the engine, stopping it drains the engine. `cors`: Starlette CORSMiddleware's
-    settings (None: no cross-origin answers); `docs`: serve /docs, /redoc and /openapi.json."""
+    settings (None: no cross-origin answers); `docs`: serve /docs, /redoc and /openapi.json; `tracing`: each
+    request's spans to an OTLP collector (flushed when the app stops)."""
     metrics = metrics or Metrics()
 
     @asynccontextmanager
@@ -54,6 +72,8 @@ def create_app(
             yield
         finally:
             await engine.stop(config.shutdown_grace_seconds)
+            if tracing is not None:
+                tracing.shutdown()
 
     # /docs and /redoc with their assets served from the package (no CDN, air-gap safe); none at all when turned off
     pages: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -66,15 +86,7 @@ def create_app(
         **pages,
     )
     app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
-    metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
-    metrics.watch(metrics.queued_tokens, lambda: engine.queued_tokens)
-    metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
-    metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
-    metrics.memory_budget.set(config.memory_budget_bytes)
-    metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
-    cache = engine.cache
-    metrics.watch_cache(lambda: None if cache is None else (cache.hits, cache.misses, cache.bytes, len(cache)))
-    engine.observer = metrics.observe_batch
+    _watch(metrics, engine, config)
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(inference)
@@ -88,7 +100,7 @@ def create_app(
     protected = {route.path for router in routers for route in router.routes}  # type: ignore[attr-defined]
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
                        api_keys=config.api_keys, protected=protected, max_body_values=max_body_values(engine, config),
-                       hold_answer=engine.hold_answer)  # fmt: skip
+                       hold_answer=engine.hold_answer, tracing=tracing)  # fmt: skip
     if cors is not None:  # outermost: a preflight carries no API key and is answered before the key is checked
         app.add_middleware(CORSMiddleware, **cors)
     return app

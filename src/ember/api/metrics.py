@@ -35,6 +35,12 @@ class Metrics:
         self.latency = Histogram(
             "ember_request_duration_seconds", "End-to-end request latency", ["endpoint"], buckets=_LATENCY, registry=r
         )
+        self.tokenize_time = Histogram(
+            "ember_tokenization_duration_seconds",
+            "Time a request spent tokenising its inputs",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "ember_queue_duration_seconds", "Time from admission to first batch", buckets=_LATENCY, registry=r
         )

@@ -7,7 +7,9 @@ body of millions of tiny values into gigabytes of objects, and would hold the ev
 answer is written in slices, each waiting for the client to take the one before, and counted in the memory plan
 (`AsyncEngine.hold_answer`) until its last byte is taken, so slow readers cannot hold more than the plan allows. A
 path with a trailing slash is served as without it (no redirect, which would echo the Host header). An unexpected
-error becomes one logged traceback and an OpenAI-shaped 500 that still carries the request id.
+error becomes one logged traceback and an OpenAI-shaped 500 that still carries the request id. An answer from the
+model carries its timings as TEI's headers (TIMING_HEADERS); with tracing on, a request's spans are made from the
+same recorded times once it ends (ember.api.tracing), so the path costs nothing more while it runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,7 +30,10 @@ from ember.api.errors import error_response
 from ember.api.metrics import Metrics
 from ember.resources import release_free_memory
 
-__all__ = ["EdgeMiddleware", "key_matches", "route_path"]
+if TYPE_CHECKING:
+    from ember.api.tracing import Tracing
+
+__all__ = ["TIMING_HEADERS", "EdgeMiddleware", "key_matches", "route_path", "timing_headers"]
 
 access_log = logging.getLogger("ember.access")
 log = logging.getLogger(__name__)
@@ -50,6 +55,27 @@ LARGE_BODY_BYTES = 1024 * 1024
 """After a request body this large, freed memory is handed back to the OS (off the event loop)."""
 
 _UNPRINTABLE = re.compile(r"[^\x21-\x7e]")
+
+TIMING_HEADERS = {
+    "x-total-time": "milliseconds from the request's first byte to its answer's first",
+    "x-tokenization-time": "milliseconds spent tokenising its inputs",
+    "x-queue-time": "milliseconds it waited for its first batch",
+    "x-inference-time": "milliseconds of the batches it ran in (forward and pooling)",
+    "x-compute-time": "tokenisation, queue and inference together, in milliseconds",
+    "x-compute-tokens": "tokens it computed (as usage counts them)",
+}
+"""The timings an answer from the model carries, TEI's names and meanings (whole milliseconds)."""
+
+
+def timing_headers(state: dict[str, Any], start: float, now: float) -> list[tuple[bytes, bytes]]:
+    """TIMING_HEADERS for a request whose engine call recorded its times in `state` (none for other requests);
+    `start` and `now` are monotonic seconds."""
+    if "inference_seconds" not in state:
+        return []
+    tokenize, queue, inference = state["tokenize_seconds"], state["queue_seconds"], state["inference_seconds"]
+    values = (now - start, tokenize, queue, inference, tokenize + queue + inference)
+    out = [(name.encode(), str(round(v * 1000)).encode()) for name, v in zip(TIMING_HEADERS, values, strict=False)]
+    return [*out, (b"x-compute-tokens", str(state.get("tokens", 0)).encode())]
 
 
 def route_path(scope: Scope) -> str:
@@ -95,6 +121,7 @@ class EdgeMiddleware:
         protected: Collection[str] = (),
         max_body_values: int | None = None,
         hold_answer: Callable[[int], Callable[[], None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -103,12 +130,13 @@ class EdgeMiddleware:
         self.api_keys = tuple(api_keys)
         self.protected = frozenset(protected)
         self.hold_answer = hold_answer
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
+        start = time.monotonic()
         if len(scope["path"]) > 1 and scope["path"].endswith("/"):
             scope["path"] = scope["path"].rstrip("/") or "/"
         route = route_path(scope)
@@ -119,8 +147,9 @@ class EdgeMiddleware:
             scope["headers"].append((b"content-type", b"application/json"))
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        status, started, body_cut = 500, False, False
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        status, started, body_cut, responded = 500, False, False, start
         limit = self.max_body_bytes
         declared = headers.get(b"content-length", b"0")
         length = int(declared) if declared.isdigit() else 0
@@ -134,10 +163,11 @@ class EdgeMiddleware:
             return message
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, started
+            nonlocal status, started, responded
             if message["type"] == "http.response.start":
-                status, started = message["status"], True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+                status, started, responded = message["status"], True, time.monotonic()
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1")),
+                                      *timing_headers(state, start, responded)]  # fmt: skip
             if message["type"] == "http.response.body" and len(message.get("body", b"")) > SLICE_BYTES:
                 await self._send_sliced(send, message)
             else:
@@ -156,7 +186,10 @@ class EdgeMiddleware:
         finally:
             if body_cut and status == 400:
                 status = 499  # the client went away before its body was read whole: not a bad request
-            self._record(scope, status, time.perf_counter() - start, request_id)
+            end = time.monotonic()
+            self._record(scope, status, end - start, request_id)
+            if self.tracing is not None:
+                self.tracing.record(scope, headers, status, start, responded, end)
             if counted.seen >= LARGE_BODY_BYTES:  # its parsed objects are gone now: give their pages back
                 asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 
@@ -188,12 +221,17 @@ class EdgeMiddleware:
         state: dict[str, Any] = scope.get("state", {})
         if endpoint in ("/metrics", "/health", "/ping"):
             return  # probes and scrapes would drown the access log
+        fields = {
+            "client": (scope.get("client") or ("-",))[0], "method": printable(scope["method"]),
+            "route": printable(path), "status": status, "request_id": request_id, "model": state.get("model"),
+            "tokens": state.get("tokens", 0), "total_ms": round(seconds * 1000, 1),
+            "tokenize_ms": round(state.get("tokenize_seconds", 0.0) * 1000, 1),
+            "queue_ms": round(state.get("queue_seconds", 0.0) * 1000, 1),
+            "inference_ms": round(state.get("inference_seconds", 0.0) * 1000, 1),
+        }  # fmt: skip
         access_log.info(
-            '%s "%s %s" %d id=%s total=%.1fms queue=%.1fms inference=%.1fms tokens=%d',
-            (scope.get("client") or ("-",))[0], printable(scope["method"]), printable(path), status, request_id,
-            seconds * 1000,
-            state.get("queue_seconds", 0.0) * 1000, state.get("inference_seconds", 0.0) * 1000,
-            state.get("tokens", 0),
+            '%(client)s "%(method)s %(route)s" %(status)d id=%(request_id)s total=%(total_ms).1fms '
+            "queue=%(queue_ms).1fms inference=%(inference_ms).1fms tokens=%(tokens)d", fields, extra=fields,
         )  # fmt: skip
 
 

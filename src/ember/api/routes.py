@@ -30,6 +30,7 @@ from ember.api.schemas import (
 )
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams
+from ember.engine.scheduler import BatchSpan
 from ember.errors import InputError, RequestTooLargeError
 from ember.types import Output
 from ember.version import __version__
@@ -167,6 +168,12 @@ class Outcome(Protocol):
     @property
     def inference_seconds(self) -> float: ...
 
+    @property
+    def tokenize_seconds(self) -> float: ...
+
+    @property
+    def batches(self) -> tuple[BatchSpan, ...]: ...
+
 
 R = TypeVar("R", bound=Outcome)
 
@@ -175,18 +182,23 @@ async def engine_call(
     request: Request, model: str | None, work: Callable[[AsyncEngine, float | None], Coroutine[Any, Any, R]]
 ) -> tuple[Context, R, int]:
     """Check `model`, run `work` on the engine (dropped if the client goes away: 499), and record its tokens and
-    times for the access log and /metrics; returns the context, the result and its tokens."""
+    times (for the access log, the timing headers, traces and /metrics: EdgeMiddleware reads them from the request's
+    state); returns the context, the result and its tokens."""
     ctx = context(request)
     ctx.check_model(model)
     timeout = client_timeout(request)
+    state = request.state
+    state.model, state.engine_started = model or ctx.model_name, time.monotonic()
     try:
         result: R = await until_disconnect(request, work(ctx.engine, timeout))
     except ClientGone:
         raise HTTPException(499, "client closed the request") from None
     tokens = sum(result.token_counts)
-    request.state.queue_seconds, request.state.inference_seconds = result.queue_seconds, result.inference_seconds
-    request.state.tokens = tokens
+    state.engine_done, state.tokens, state.batches = time.monotonic(), tokens, result.batches
+    state.queue_seconds, state.inference_seconds = result.queue_seconds, result.inference_seconds
+    state.tokenize_seconds = result.tokenize_seconds
     ctx.metrics.tokens.inc(tokens)
+    ctx.metrics.tokenize_time.observe(result.tokenize_seconds)
     ctx.metrics.queue_time.observe(result.queue_seconds)
     ctx.metrics.inference_time.observe(result.inference_seconds)
     return ctx, result, tokens

@@ -21,6 +21,8 @@ __all__ = [
     "api_keys",
     "check_runner",
     "max_inputs_per_request",
+    "otel_service_name",
+    "otlp_endpoint",
     "parse_json_flag",
     "parse_size",
     "warn_ignored",
@@ -223,6 +225,16 @@ def check_runner(args: argparse.Namespace) -> None:
         raise ConfigError(f"ember does not serve {args.convert if args.convert != 'auto' else task} models yet")
     if args.tensor_parallel_size != 1:
         raise ConfigError("--tensor-parallel-size must be 1: ember runs one process on CPU")
+
+
+def otlp_endpoint(flag: str | None) -> str | None:
+    """--otlp-traces-endpoint, else OpenTelemetry's own OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else none (no tracing)."""
+    return flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip() or None
+
+
+def otel_service_name() -> str:
+    """OTEL_SERVICE_NAME, else "ember": the service the traces are filed under."""
+    return os.environ.get("OTEL_SERVICE_NAME", "").strip() or "ember"
 
 
 def api_keys(flag_keys: list[str]) -> tuple[str, ...]:

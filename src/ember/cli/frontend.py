@@ -36,6 +36,14 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="accepted: ember always answers with X-Request-Id (the client's when plain)")  # fmt: skip
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--otlp-traces-endpoint", "--otlp-endpoint", default=None,
+                   help="export a trace of each request to this OTLP/HTTP collector, e.g. http://otel-collector:4318 "
+                   "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; needs pip install 'ember[otel]')")  # fmt: skip
+    p.add_argument("--collect-detailed-traces", default=None,
+                   help="accepted (vLLM's): ember's traces always hold every stage of a request")  # fmt: skip
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one JSON object per line (time, level, logger, message; access lines also request id, "
+                   "model, route, status, tokens and timings)")  # fmt: skip
 
 
 @dataclass(frozen=True)

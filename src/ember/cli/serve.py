@@ -21,9 +21,12 @@ from ember.cli.flags import (
     api_keys,
     check_runner,
     max_inputs_per_request,
+    otel_service_name,
+    otlp_endpoint,
     parse_json_flag,
     warn_ignored,
 )
+from ember.cli.logs import setup_logging
 from ember.cli.runtime import (
     connection_limit,
     maybe_reexec_with_allocator,
@@ -45,16 +48,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         maybe_reexec_with_allocator(sys.argv[1:])
         plan = prepare_process(args.threads, args.cpu_bind)
@@ -139,6 +134,13 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     check_runner(args)
     front = frontend(args)  # TLS files, CORS lists: refused before the model loads
     warn_ignored(args)
+    endpoint = otlp_endpoint(args.otlp_traces_endpoint)
+    tracing = None
+    if endpoint is not None:  # OpenTelemetry is imported only now, and only when traces are asked for
+        from ember.api.tracing import Tracing
+
+        tracing = Tracing(endpoint, otel_service_name())
+        log.info("tracing: each request's spans to %s", tracing.url)
     config = _model_config(args)
     # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
@@ -147,7 +149,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     engine = build_engine(loaded, _engine_config(args), tokenizer_threads=min(threads, 4))
     names = (loaded.info.name, *(args.served_model_name or [])[1:])
     server = _server_config(args, names, str(loaded.plan.path), loaded.memory.budget_bytes)
-    app = create_app(engine, server, cors=front.cors, docs=front.docs)
+    app = create_app(engine, server, cors=front.cors, docs=front.docs, tracing=tracing)
     where = f"unix socket {args.uds}" if args.uds else f"{front.scheme}://{args.host}:{args.port}"
     log.info("serving %s on %s%s", names[0], where, front.uvicorn.get("root_path", ""))
     if not server.api_keys:
@@ -161,6 +163,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        log_config=None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG,  # json: through ember's
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
         timeout_keep_alive=args.timeout_keep_alive,
         http=guarded_protocol(connections, args.http_read_timeout, args.http_write_timeout),

@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from ember.config import EngineConfig, PoolerConfig
 from ember.engine.cache import EmbeddingCache
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
+from ember.engine.results import EmbedResult, ScoreResult, answer_vectors
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
 from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
 from ember.resources import release_free_memory
@@ -44,37 +44,6 @@ DRAIN_MARGIN_SECONDS = 0.5
 
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
-
-
-@dataclass(frozen=True)
-class EmbedResult:
-    """Vectors in input order, exact token counts, and where the time went."""
-
-    vectors: list[Any]  # (D,) float32 arrays; (tokens, D) for token_embed; TokenWeights for token_classify
-    token_counts: list[int]
-    queue_seconds: float
-    inference_seconds: float
-
-
-def answer_vectors(output: Output, inputs: int, tokens: int, dimension: int) -> int:
-    """The vectors of the model's width a request's answer holds, as the memory plan counts answers: one per input;
-    one per token for token_embed; for token_classify a weight per token and a sparse entry (id, weight, text) per
-    distinct token, some 8 numbers a token."""
-    if output == "embed":
-        return inputs
-    if output == "token_embed":
-        return tokens
-    return inputs + -(-8 * tokens // max(1, dimension))
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """A score per pair in request order, exact token counts, and where the time went."""
-
-    scores: list[float]
-    token_counts: list[int]
-    queue_seconds: float
-    inference_seconds: float
 
 
 class AsyncEngine:
@@ -238,14 +207,17 @@ class AsyncEngine:
         self.scheduler.check_room()
         small = sum(len(x) for x in prepared.items) <= _INLINE_TOKENIZE_CHARS
         # a short request tokenises in microseconds: handing it to a thread would cost more
-        fit = self.preprocessor.fit
+        fit, start = self.preprocessor.fit, time.monotonic()
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
+        tokenized = time.monotonic() - start
         request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted],
                                           output=params.output, timeout=timeout)  # fmt: skip
         return EmbedResult(
             self.preprocessor.vectors(request.windows, request.pooled, prepared),
             request.token_counts,
             *self._times(request),
+            tokenized,
+            tuple(request.batches),
         )
 
     async def score(
@@ -259,13 +231,14 @@ class AsyncEngine:
             return await self._cosine(pairs, params, timeout)
         self.scheduler.check_room()
         small = sum(len(a) + len(b) for a, b in pairs) <= _INLINE_TOKENIZE_CHARS
-        fit = self.pairs.fit
+        fit, start = self.pairs.fit, time.monotonic()
         built = fit(pairs, params) if small else await self.run_in_tokenizer(fit, pairs, params)
+        tokenized = time.monotonic() - start
         request = await self._run_request(
             [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built], timeout=timeout
         )
         scores = [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]
-        return ScoreResult(scores, request.token_counts, *self._times(request))
+        return ScoreResult(scores, request.token_counts, *self._times(request), tokenized, tuple(request.batches))
 
     async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams, timeout: float | None) -> ScoreResult:
         """An embedding model's score: each distinct text embedded once, then the cosine of each pair's vectors."""
@@ -273,7 +246,8 @@ class AsyncEngine:
         embed = EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
         result = await self.embed(texts, embed, timeout=timeout)
         scores, counts = cosine_scores(pairs, texts, result.vectors, result.token_counts)
-        return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds)
+        return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds, result.tokenize_seconds,
+                           result.batches)  # fmt: skip
 
     async def _run_request(
         self,

@@ -132,13 +132,17 @@ class TorchRunner:
 
 
 def padded_tokens(n: int) -> int:
-    """The token count a batch of n tokens runs at: n rounded up to a multiple of 16, of 64 from 512 tokens.
+    """The token count a batch of n tokens runs at: n itself below 16, then rounded up to a step of n / 8 to n / 16
+    (2 from 16 tokens, 4 from 32, 8 from 64 ... 64 from 512), so no batch runs more than 1/8 of padding.
 
-    oneDNN builds a matmul kernel for every row count it meets (5-13 ms each, measured at 1,000-1,500
-    rows, 1-4 GEMMs' worth), so batches of ever-new sizes paid for new kernels in most forwards:
-    all-MiniLM-L6-v2 ran at 0.54-0.73x of its speed on a repeated batch. Rounded, a few dozen sizes
-    cover every batch up to the token slice, and the padding is at most 1/8 of a batch (~2% above 1,024)."""
-    step = 16 if n < 512 else 64
+    oneDNN builds a matmul kernel for every row count it meets (5-13 ms each, measured at 1,000-1,500 rows, 1-4
+    GEMMs' worth), so batches of ever-new sizes paid for new kernels in most forwards: all-MiniLM-L6-v2 ran at
+    0.54-0.73x of its speed on a repeated batch. Rounded, ~80 sizes cover every batch up to the token slice
+    (config.ONEDNN_KERNEL_CACHE keeps them all). A short query runs at its own length: rounded to a multiple of 16,
+    an 18-token query ran 32 rows, 1.4x the time of its forward (Qwen3-0.6B shape, float32, Zen 3)."""
+    if n < 16:
+        return n
+    step = min(64, 1 << (n.bit_length() - 4))
     return -(-n // step) * step
 
 

@@ -14,6 +14,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,13 +22,22 @@ from ember.config import EngineConfig
 from ember.errors import OverloadedError
 from ember.types import Output
 
-__all__ = ["Request", "Scheduler", "WorkItem", "batch_inputs"]
+__all__ = ["BatchSpan", "Request", "Scheduler", "WorkItem", "batch_inputs"]
 
 CONCURRENCY_MEMORY_SECONDS = 1.0
 """How long a peak of requests in flight sets how many requests a batch waits for."""
 
 SETTLE_SECONDS = 0.002
 """On an idle engine, a batch starts once no request arrived for this long (a burst has landed)."""
+
+
+class BatchSpan(NamedTuple):
+    """One batch a request ran in: when (monotonic seconds), and how large."""
+
+    start: float
+    end: float
+    sequences: int
+    tokens: int
 
 
 @dataclass(eq=False)
@@ -41,16 +51,14 @@ class Request:
     token_types: list[list[list[int]]] | None = None  # per window, its tokens' segments (pairs); None: all 0
     output: Output = "embed"  # what each window gives: its pooled vector, or a vector or weight per token
     vectors: int = 0  # the dimension-wide vectors its answer holds, as the memory plan counts answers
+    tokens: int = 0  # the tokens it queues: its windows' less those the cache answered
     in_queue: int = 0  # windows waiting in the queue
     pooled: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     first_batch: float | None = None
     inference_seconds: float = 0.0
+    batches: list[BatchSpan] = field(default_factory=list)  # each batch it had rows in
     cancelled: bool = False
     failed: BaseException | None = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(w) for ws in self.windows for w in ws)
 
     @property
     def done(self) -> bool:
@@ -144,6 +152,7 @@ class Scheduler:
         pending = sum(len(ws) for ws in windows) - len(done)
         count = len(windows) if vectors is None else vectors
         request = Request(windows, token_counts, now, pending, token_types, output, count)
+        request.tokens = sum(len(w) for i, ws in enumerate(windows) for j, w in enumerate(ws) if (i, j) not in done)
         request.pooled.update(done)
         cfg = self.config
         if self.queued_requests >= cfg.max_queued_requests or (
@@ -264,8 +273,10 @@ class Scheduler:
         self._measured = True
         tokens = sum(len(it.ids) for it in batch)
         self.seconds_per_token = 0.8 * self.seconds_per_token + 0.2 * seconds / max(1, tokens)
+        span = BatchSpan(now - seconds, now, len(batch), tokens)
         for request in {id(it.request): it.request for it in batch}.values():
             request.inference_seconds += seconds
+            request.batches.append(span)
         finished = []
         for row, item in enumerate(batch):
             request = item.request
