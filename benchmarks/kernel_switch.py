@@ -7,6 +7,7 @@ batch timed three times; the sides alternate for --rounds rounds and the medians
     python benchmarks/kernel_switch.py --kernel attention
     python benchmarks/kernel_switch.py --kernel int8_gemm --quantization int8 --rounds 2
     python benchmarks/kernel_switch.py --kernel linear --dtype float32       # bf16 weights against float32 ones
+    python benchmarks/kernel_switch.py --kernel linear_f32 --dtype float32   # float32 product against oneDNN
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _side(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models/qwen3-emb-0.6b-random"))
-    ap.add_argument("--kernel", default="attention", choices=["attention", "int8_gemm", "elementwise", "linear"])
+    kernels = ["attention", "int8_gemm", "elementwise", "linear", "linear_f32"]
+    ap.add_argument("--kernel", default="attention", choices=kernels)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batches", default=",".join(BATCHES), help=f"of {', '.join(BATCHES)} (texts x words)")
     ap.add_argument("--quantization", default=None, choices=[None, "int8"])

@@ -48,6 +48,7 @@ class Server:
                 "EMBER_NATIVE_INT8",
                 "EMBER_NATIVE_ELEMENTWISE",
                 "EMBER_NATIVE_LINEAR",
+                "EMBER_NATIVE_LINEAR_F32",
             ):
                 env.setdefault(switch, "0")
         self.log = log

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ember.engine.build as build_mod
 import ember.ops.linear as linear_mod
 from checkpoints import build_bert, build_qwen3, build_qwen3_reranker
 from corpus import SENTENCES
@@ -205,6 +206,7 @@ def test_float32_layers_packed_for_onednn_equal_nn_linear_across_the_row_slice()
 def test_float32_models_on_onednn_match_sentence_transformers(monkeypatch, tmp_path, family):
     """As on an AMD CPU: float32 layers packed for oneDNN, parity with the reference and batch invariance."""
     monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
+    monkeypatch.setattr(build_mod, "strip_f32", lambda: False)  # oneDNN's layers, not ember's float32 product
     path = build_bert(tmp_path / "m") if family == "bert" else build_qwen3(tmp_path / "m", dtype="float32")
     embedder = Embedder(str(path), dtype="float32")
     packed = sum(isinstance(m, linear_mod.PackedLinear) for m in embedder._loaded.runner.model.modules())

@@ -19,6 +19,7 @@ SWITCHES = {
     "int8_gemm": "EMBER_NATIVE_INT8",
     "elementwise": "EMBER_NATIVE_ELEMENTWISE",
     "linear": "EMBER_NATIVE_LINEAR",
+    "linear_f32": "EMBER_NATIVE_LINEAR_F32",
 }
 
 
@@ -99,7 +100,7 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
     assert done.returncode == 0, done.stderr
     libraries = sorted(p.name for p in cache.glob("*.so"))
     assert [n.split("-")[0] for n in libraries] == [
-        "ember_attention", "ember_elementwise", "ember_int8_gemm", "ember_linear"
+        "ember_attention", "ember_elementwise", "ember_int8_gemm", "ember_linear", "ember_linear_f32"
     ]  # fmt: skip
     assert all((cache / (n + ".sha256")).is_file() for n in libraries)
     if isa_tier(cpu_flags()) not in ("amx", "avx512_bf16"):
@@ -142,7 +143,8 @@ def test_the_float32_tiers_prebuild_their_kernels_and_load_them_with_no_compiler
                            "--tier", tier], capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     built = sorted(p.name.split("-")[:2] for p in cache.glob("*.so"))  # and the bf16-weight layers on AVX-512
-    assert built == [["ember_attention", tier], *([["ember_linear", tier]] if tier == "avx512" else [])]
+    linears = [*([["ember_linear", tier]] if tier == "avx512" else []), *([] if arm else [["ember_linear_f32", tier]])]
+    assert built == [["ember_attention", tier], *linears]
     probe = (
         "from ember.cli.runtime import native_config, prepare_process; prepare_process(None, None); "
         "from ember.ops import native; import torch; "
@@ -157,6 +159,8 @@ def test_the_float32_tiers_prebuild_their_kernels_and_load_them_with_no_compiler
     assert f"('attention', True, '{isa}, prebuilt, loaded from {cache}" in report
     if tier == "avx512":
         assert f"('linear', True, 'AVX-512, prebuilt, loaded from {cache}" in report
+    if not arm:
+        assert f"('linear_f32', True, '{isa}, prebuilt, loaded from {cache}" in report
     if arm:
         assert "needs Linux on x86-64 (Linux aarch64 here); torch's int8 matmul instead" in report
     else:
@@ -166,7 +170,7 @@ def test_the_float32_tiers_prebuild_their_kernels_and_load_them_with_no_compiler
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler (Debian's "
                     "g++-aarch64-linux-gnu; .ci/run installs it)")  # fmt: skip
-@pytest.mark.parametrize("source", ["attention.cpp", "linear.cpp"])
+@pytest.mark.parametrize("source", ["attention.cpp", "linear.cpp", "linear_f32.cpp"])
 def test_the_float32_kernels_compile_for_aarch64(tmp_path, source):
     """The attention kernel's source builds for any ARMv8-A CPU (the prebuilt aarch64 tier's flags), so nothing
     x86-only has crept into what both architectures share; its NEON entry points are there. So does the

@@ -249,7 +249,8 @@ class NativeConfig:
     """ember's native C++ kernels (ember.ops.native): which may be built and loaded, and where they are cached.
 
     Each runs only where the CPU (as capped by EMBER_MAX_ISA) has what it needs; these switches only turn them
-    off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE, EMBER_NATIVE_LINEAR = 0, read by the
+    off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE, EMBER_NATIVE_LINEAR,
+    EMBER_NATIVE_LINEAR_F32 = 0, read by the
     CLI)."""
 
     attention: bool = True
@@ -261,6 +262,9 @@ class NativeConfig:
     linear: bool = True
     """float32 models of bf16 checkpoints keep their linear layers' weights bf16 (half the memory) and run them on
     ember's bf16-weight product (AVX-512); off: widened to float32 at load, on oneMKL."""
+    linear_f32: bool = True
+    """float32 linear layers on AMD CPUs without AVX-512 (Zen 2, Zen 3) run short batches on ember's float32 product,
+    which overlaps streaming the weights with computing them (AVX2); off: oneDNN's packed matmul."""
     cache_dir: str | None = None
     """Where built libraries are kept (EMBER_CACHE_DIR); None: ~/.cache/ember."""
     compiler: str | None = None
@@ -279,7 +283,7 @@ class NativeConfig:
         return cls(
             **{
                 kernel: env.get(cls.switch(kernel), "1").strip().lower() not in off
-                for kernel in ("attention", "int8_gemm", "elementwise", "linear")
+                for kernel in ("attention", "int8_gemm", "elementwise", "linear", "linear_f32")
             },
             cache_dir=env.get("EMBER_CACHE_DIR") or (f"{xdg}/ember" if xdg else None),
             compiler=env.get("CXX") or None,

@@ -38,7 +38,7 @@ from ember.models.m3 import M3Heads
 from ember.models.registry import model_class
 from ember.models.splade import SPLADE_SLICE, SpladeModel
 from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
-from ember.ops.linear import hold_bf16, pack_linears
+from ember.ops.linear import hold_bf16, pack_linears, strip_f32
 from ember.ops.native import may_build
 from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -168,7 +168,8 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
-    if pack_linears(net, p.dtype) or config.quantization:
+    strips = strip_f32() and may_build("linear_f32", native or NativeConfig())  # float32 layers for its kernel
+    if pack_linears(net, p.dtype, strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
     heads = None  # bge-m3's sparse and ColBERT heads: found beside the weights, or named by vLLM's architecture

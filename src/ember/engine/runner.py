@@ -14,8 +14,8 @@ from ember.models.base import Architecture
 from ember.models.dense import Dense
 from ember.models.m3 import M3Heads
 from ember.ops.fused import compiled, compiling
-from ember.ops.linear import release_bf16
-from ember.ops.native import build_kernels, linear_kernel
+from ember.ops.linear import release_bf16, release_strips
+from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
 from ember.ops.pooling import pool
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
@@ -109,13 +109,16 @@ class TorchRunner:
     def load_kernels(self) -> list[KernelStatus]:
         """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8
         layers onto its int8 kernel; every thread uses them from then on. Layers holding bf16 weights for a
-        bf16-weight kernel that did not load go back to float32."""
+        bf16-weight kernel that did not load go back to float32, and layers laid out for the float32 kernel to
+        oneDNN's."""
         try:
             report = build_kernels(self.native)
             use_native_int8(self.model)
         finally:
             if linear_kernel() is None:
                 release_bf16(self.model)
+            if linear_f32_kernel() is None:
+                release_strips(self.model)
         return report
 
     def compile(self) -> None:

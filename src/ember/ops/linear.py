@@ -1,6 +1,6 @@
 """Linear layers with their weights packed once at load: bf16 layers on oneDNN's matmul, bias and activation fused;
-float32 layers on oneDNN's packed matmul too on AMD CPUs; float32 layers of bf16 checkpoints on ember's bf16-weight
-product (Bf16Linear).
+float32 layers on oneDNN's packed matmul too on AMD CPUs, and on AMD CPUs without AVX-512 on ember's float32 product
+(StripLinear) once its kernel loads; float32 layers of bf16 checkpoints on ember's bf16-weight product (Bf16Linear).
 
 `F.linear` in bf16 re-lays its plain (N, K) weights into oneDNN's blocked format on every call, then
 adds the bias in a separate pass (a broadcast copy into the output); an activation after it is a third
@@ -26,22 +26,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.hardware import cpu_vendor
-from ember.ops.native import linear_kernel
+from ember.hardware import cpu_flags, cpu_vendor
+from ember.ops.native import linear_f32_kernel, linear_kernel
 
 __all__ = [
     "ACTIVATIONS",
     "Bf16Linear",
     "PackedLinear",
+    "StripLinear",
     "hold_bf16",
     "linear_act",
     "onednn_bf16",
     "onednn_f32",
     "pack_bf16",
+    "pack_f32",
     "pack_linears",
     "release_bf16",
+    "release_strips",
     "replace_linears",
+    "strip_f32",
     "unpack_bf16",
+    "unpack_f32",
 ]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -117,18 +122,35 @@ def onednn_f32() -> bool:
 
 def linear_act(linear: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
     """ACTIVATIONS[act](linear(x)): one kernel when the layer is packed."""
-    if isinstance(linear, PackedLinear):
+    if isinstance(linear, PackedLinear | StripLinear):
         return linear(x, act)
     return ACTIVATIONS[act](linear(x))
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
+def strip_f32() -> bool:
+    """Whether float32 layers are laid out for ember's float32 product (StripLinear) here, where the kernel builds:
+    on AMD CPUs without AVX-512 (Zen 2 and 3), where it was measured against oneDNN's packed matmul; Zen 4 and 5
+    (AVX-512) keep oneDNN until it is measured there."""
+    return onednn_f32() and "avx512f" not in cpu_flags()
+
+
+def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False) -> int:
     """Replace each nn.Linear of `model` by a PackedLinear, where oneDNN runs bf16 (bf16 models) or is the faster
-    float32 product (float32 models on AMD); returns how many. (Layers already replaced, e.g. by int8 ones or
-    Bf16Linear, are left as they are.)"""
+    float32 product (float32 models on AMD); with `strips` (float32 only), by a StripLinear where its width allows;
+    returns how many. (Layers already replaced, e.g. by int8 ones or Bf16Linear, are left as they are.)"""
     if not ((dtype == torch.bfloat16 and onednn_bf16()) or (dtype == torch.float32 and onednn_f32())):
         return 0
-    return replace_linears(model, [name for name, m in model.named_modules() if type(m) is nn.Linear], PackedLinear)
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    if not (strips and dtype == torch.float32):
+        return replace_linears(model, names, PackedLinear)
+    return replace_linears(model, names, lambda m: StripLinear(m) if m.out_features % 32 == 0 else PackedLinear(m))
+
+
+def release_strips(model: nn.Module) -> int:
+    """Every StripLinear of `model` back to oneDNN's packed layer (where the float32 kernel did not load); returns
+    how many."""
+    names = [name for name, m in model.named_modules() if isinstance(m, StripLinear)]
+    return replace_linears(model, names, lambda m: PackedLinear(m.widened()))
 
 
 def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn.Module]) -> int:
@@ -139,6 +161,59 @@ def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn
         parent = model.get_submodule(parent_name)
         setattr(parent, child, make(getattr(parent, child)))
     return len(names)
+
+
+# linear_f32w(x, w, bias): float32 (T, K) activations times float32 weights packed by pack_f32 ((N / 32, K, 32)),
+# plus a float32 bias (N,) if any: (T, N) float32. Implemented in C++ by the native library (csrc/linear_f32.cpp).
+torch.library.define("ember::linear_f32w", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("ember::linear_f32w")
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * 32))
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 weights -> the float32 kernel's layout: strips of 32 output channels, (N / 32, K, 32)."""
+    n, k = w.shape
+    return w.reshape(n // 32, 32, k).transpose(1, 2).contiguous()
+
+
+def unpack_f32(strips: torch.Tensor) -> torch.Tensor:
+    """pack_f32's strips back to the (N, K) matrix."""
+    count, k, _ = strips.shape
+    return strips.transpose(1, 2).reshape(count * 32, k)
+
+
+class StripLinear(nn.Module):
+    """A drop-in for a float32 nn.Linear (outputs a multiple of 32), weights in pack_f32's strips for ember's float32
+    product (csrc/linear_f32.cpp: the weights streamed while computed, taller batches in panels of rows);
+    `forward(x, act)` also applies an activation named in ACTIVATIONS. Until the kernel is loaded, the weights are
+    laid out plainly on each call."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight: torch.Tensor  # pack_f32's strips
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", pack_f32(linear.weight.detach().float()))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        if linear_f32_kernel() is not None and x.dtype == torch.float32:
+            y = torch.ops.ember.linear_f32w(x.reshape(-1, self.in_features), self.weight, self.bias)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, unpack_f32(self.weight), self.bias)
+        return ACTIVATIONS[act](y) if act else y
+
+    def widened(self) -> nn.Linear:
+        """The float32 nn.Linear this layer stands for."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(unpack_f32(self.weight).contiguous(), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias, requires_grad=False)
+        return linear
 
 
 # linear_bf16w(x, w, bias): float32 (T, K) activations times bf16 weights packed by pack_bf16 ((N / 32, K, 16) int32

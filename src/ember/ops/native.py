@@ -4,21 +4,22 @@
   loops from AVX-512 up) and on aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused);
-- linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear).
+- linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear);
+- linear_f32.cpp: float32 linear layers' short batches, weights streamed while computed (ember.ops.linear).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
-ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w; their schemas are defined in Python), which compiled
-regions call through the dispatcher without Python.
+ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w; their schemas are defined in
+Python), which compiled regions call through the dispatcher without Python.
 
 Two ways to get them, tried in this order:
 
 - Built ahead of time (`ember build-kernels`, e.g. at image build, where a compiler is): one library per kernel and
   CPU tier it runs on (`amx`: x86-64-v4 + AVX-512 BF16/VNNI + AMX; `avx512_bf16`: x86-64-v4 + AVX-512 BF16/VNNI;
   `avx512`: x86-64-v4, attention and the bf16-weight linear layers (Skylake-SP to Ice Lake Xeons); `avx2`:
-  x86-64-v3, attention only; `aarch64`: ARMv8-A, attention only, built on an aarch64 machine), keyed by the
-  sources and torch's version and C++ ABI, not by the building machine. At start, the best tier this CPU (as
-  capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A tier's build targets
-  every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
+  x86-64-v3, attention and the float32 linear layers; `aarch64`: ARMv8-A, attention only, built on an aarch64
+  machine), keyed by the sources and torch's version and C++ ABI, not by the building machine. At start, the best
+  tier this CPU (as capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A
+  tier's build targets every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
   every Graviton).
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
   aarch64), about 25 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
@@ -58,6 +59,7 @@ __all__ = [
     "build_kernels",
     "elementwise_kernel",
     "int8_gemm_kernel",
+    "linear_f32_kernel",
     "linear_kernel",
     "may_build",
     "native_attention_dtypes",
@@ -88,6 +90,8 @@ _KERNELS = (
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
     # 16 lanes only: its 8-lane build (AVX2) measured 0.87-0.95x oneMKL's float32 at 128-512 rows (NOTES.md)
     _Kernel("linear", frozenset({"avx512f", "avx512bw"}), "float32 weights on oneMKL"),
+    # used on AMD CPUs without AVX-512 (ember.ops.linear.strip_f32); not built on ARM, where it is not measured
+    _Kernel("linear_f32", frozenset({"avx2", "fma"}), "oneDNN's packed float32 matmul"),
 )
 
 _lock = threading.Lock()
@@ -128,6 +132,11 @@ def int8_gemm_kernel() -> ctypes.CDLL | None:
 def linear_kernel() -> ctypes.CDLL | None:
     """The bf16-weight linear library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("linear")
+
+
+def linear_f32_kernel() -> ctypes.CDLL | None:
+    """The float32 small-batch linear library, once `build_kernels` has built it on this machine; else None."""
+    return _loaded.get("linear_f32")
 
 
 def may_build(name: str, config: NativeConfig) -> bool:

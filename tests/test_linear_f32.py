@@ -1,0 +1,109 @@
+"""float32 layers on ember's float32 product (ember.ops.linear.StripLinear and csrc/linear_f32.cpp): the product
+against float64 (register blocks with the next strip prefetched; taller batches in panels of rows), a row alone equal to the row in a batch, the fallbacks (before the kernel loads, and oneDNN's layer
+where it never does), and whole models laid out for it against sentence-transformers."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ember.engine.build as build_mod
+import ember.engine.runner as runner_mod
+import ember.ops.linear as linear_mod
+from checkpoints import build_bert, build_qwen3
+from corpus import SENTENCES
+from ember import Embedder
+from ember.config import NativeConfig
+from ember.ops.linear import StripLinear, pack_f32, release_strips, unpack_f32
+from ember.ops.native import build_kernels, linear_f32_kernel
+from parity import cos, st_reference
+
+TEXTS = [*SENTENCES[:12], SENTENCES[50]]
+PANEL = 256  # csrc/linear_f32.cpp's kPanel: taller batches run in panels of this many rows
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    build_kernels(NativeConfig())
+    if linear_f32_kernel() is None:
+        pytest.skip("the float32 linear kernel did not build here (no compiler, or no AVX2/FMA or NEON)")
+    return linear_f32_kernel()
+
+
+def _layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias)
+
+
+def test_packing_round_trips_exactly():
+    w = torch.randn(96, 40)
+    strips = pack_f32(w)
+    assert strips.shape == (3, 40, 32)
+    assert torch.equal(strips[1, 7], w[32:64, 7])  # strip 1, input 7: channels 32..63
+    assert torch.equal(unpack_f32(strips), w)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 7, 15, 21, 64, 160, PANEL, 2 * PANEL + 7])
+@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (200, 160, False), (1024, 32, True)])
+def test_kernel_matches_float64(kernel, rows, k, n, bias):
+    layer = _layer(k, n, bias)
+    x = torch.randn(rows, k)
+    expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    ours = torch.ops.ember.linear_f32w(x, pack_f32(layer.weight.detach()), layer.bias)
+    torch.testing.assert_close(ours.double(), expected, atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+def test_a_row_alone_equals_the_row_in_a_batch_and_spaced_rows_are_read(kernel):
+    layer = _layer(256, 96)
+    strip = StripLinear(layer)
+    x = torch.randn(PANEL + 23, 256)
+    batch = strip(x)
+    for i in (0, 5, 22, PANEL + 3):  # in blocks of 6, 6, 6, 5 and panels; each row's sums in the order alone
+        assert torch.equal(strip(x[i : i + 1]), batch[i : i + 1])
+    spaced = torch.randn(23, 512)[:, ::2]  # a row stride that is not the width
+    torch.testing.assert_close(strip(spaced), layer(spaced), atol=1e-5, rtol=1e-5)
+    leading = torch.randn(2, 3, 256)  # leading axes, and an activation applied after the product
+    torch.testing.assert_close(strip(leading, "gelu"), F.gelu(layer(leading)), atol=1e-5, rtol=1e-5)
+
+
+def test_until_the_kernel_loads_the_layer_lays_its_weights_out_plainly(monkeypatch):
+    monkeypatch.setattr(linear_mod, "linear_f32_kernel", lambda: None)
+    layer = _layer(64, 32)
+    x = torch.randn(9, 64)
+    torch.testing.assert_close(StripLinear(layer)(x), layer(x), atol=1e-6, rtol=1e-6)
+
+
+def test_released_to_onednns_layer_where_the_kernel_does_not_load():
+    model = nn.Sequential(_layer(64, 32), nn.ReLU(), _layer(32, 64, bias=False))
+    x = torch.randn(5, 64)
+    expected = model(x)
+    for i in (0, 2):
+        model[i] = StripLinear(model[i])
+    assert release_strips(model) == 2
+    assert all(type(m) is linear_mod.PackedLinear for m in (model[0], model[2]))
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+    layer = _layer(64, 32)
+    widened = StripLinear(layer).widened()
+    assert torch.equal(widened.weight, layer.weight) and torch.equal(widened.bias, layer.bias)
+
+
+@pytest.mark.parametrize("family", ["bert", "qwen3"])
+def test_float32_models_laid_out_for_the_kernel_match_sentence_transformers(kernel, monkeypatch, tmp_path, family):
+    """As on a Zen 3 EPYC: float32 layers in strips, parity with the reference and a text alone equal to it in a
+    batch; and where the kernel then does not load, the layers go to oneDNN's and still match."""
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
+    monkeypatch.setattr(build_mod, "strip_f32", lambda: True)
+    path = build_bert(tmp_path / "m") if family == "bert" else build_qwen3(tmp_path / "m", dtype="float32")
+    embedder = Embedder(str(path), dtype="float32")
+    model = embedder._loaded.runner.model
+    assert sum(isinstance(m, StripLinear) for m in model.modules()) >= 8
+    ours, _ = embedder.embed(TEXTS)
+    assert cos(ours, st_reference(path, TEXTS)).min() >= 0.9999
+    alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
+    assert cos(alone, ours[:3]).min() >= 0.999999
+    monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
+    embedder._loaded.runner.load_kernels()
+    assert not any(isinstance(m, StripLinear) for m in model.modules())
+    again, _ = embedder.embed(TEXTS)
+    assert cos(again, ours).min() >= 0.99999
