@@ -19,8 +19,8 @@ Two ways to get them, tried in this order:
   x86-64-v3, attention and the float32 linear layers; `aarch64`: ARMv8-A, attention only, built on an aarch64
   machine), keyed by the sources and torch's version and C++ ABI, not by the building machine. At start, the best
   tier this CPU (as capped by EMBER_MAX_ISA) runs is loaded; no compiler is needed where the service runs. A
-  tier's build targets every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike (and one arm64 image
-  every Graviton).
+  tier's build targets every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike
+  (and one arm64 image every Graviton).
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
   aarch64), about 25 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
   version, the exact command and this CPU's flags.
