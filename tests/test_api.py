@@ -233,3 +233,18 @@ def test_docs_page_loads_its_assets_from_the_server_not_a_cdn(client):
     assert "cdn.jsdelivr.net" not in page and "unpkg.com" not in page
     js = [part.split('"')[0] for part in page.split('src="')[1:] if part.split('"')[0].endswith(".js")]
     assert js and all(client.get(url).status_code == 200 for url in js)
+
+
+def test_the_openapi_document_names_the_key_scheme_and_tags_every_route(client):
+    doc = client.get("/openapi.json").json()
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"}
+    assert doc["components"]["securitySchemes"]["apiKey"]["name"] == "x-api-key"
+    tags = {t["name"] for t in doc["tags"]}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            assert len(op["tags"]) == 1 and op["tags"][0] in tags, (path, method)
+            guarded = "401" in op["responses"]
+            assert (op.get("security") == [{"bearer": []}, {"apiKey": []}]) == guarded, (path, method)
+    assert doc["paths"]["/v1/embeddings"]["post"]["tags"] == ["embeddings"]
+    assert doc["paths"]["/v2/rerank"]["post"]["tags"] == ["rerank and score"]
+    assert "security" not in doc["paths"]["/health"]["get"] and doc["paths"]["/health"]["get"]["tags"] == ["operations"]

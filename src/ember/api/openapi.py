@@ -1,6 +1,7 @@
 """The OpenAPI document as the server really answers: 400 (never FastAPI's 422) with the OpenAI error body, the
 other error statuses each route can give, empty bodies for /health and /ping, text for /metrics, and the request
-types /invocations takes."""
+types /invocations takes; the API key as a security scheme on the routes that take it (so /docs' "Authorize" sends
+it), and each route under a tag of what it is for."""
 
 from __future__ import annotations
 
@@ -39,6 +40,22 @@ _INFERENCE_ERRORS = {
     "503": "Draining, or the engine has stopped",
 }
 _EMPTY = {"200": {"description": "The engine can embed"}, "503": {"description": "Draining or stopped"}}
+_SECURITY = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer <key>` (--api-key)"},
+    "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "`x-api-key: <key>`"},
+}
+TAGS = {
+    "embeddings": ("Vectors for texts: OpenAI's, vLLM's, Cohere's and the sparse routes",
+                   ("/v1/embeddings", "/embeddings", "/pooling", "/v2/embed", "/embed_sparse")),
+    "rerank and score": ("Relevance of documents to a query: Jina/Cohere rerank and vLLM's score",
+                         ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score")),
+    "tokens": ("The model's tokenizer", ("/tokenize", "/detokenize")),
+    "models": ("What this server serves", ("/v1/models", "/info", "/version")),
+    "SageMaker": ("Amazon SageMaker's single route, for every kind of request", ("/invocations",)),
+    "operations": ("Probes and metrics (never behind the API key)", ("/health", "/ping", "/metrics")),
+}  # fmt: skip
+"""The tags the document groups routes under: a description, and their paths."""
+_TAG_OF = {path: tag for tag, (_, paths) in TAGS.items() for path in paths}
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -50,8 +67,11 @@ def _fix(schema: dict[str, Any]) -> None:
     schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = _ERROR
     for name in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(name, None)
+    schema["components"]["securitySchemes"] = _SECURITY
+    schema["tags"] = [{"name": tag, "description": text} for tag, (text, _) in TAGS.items()]
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
+            op["tags"] = [_TAG_OF.get(path, "operations")]
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             if path in ("/health", "/ping"):
@@ -65,6 +85,8 @@ def _fix(schema: dict[str, Any]) -> None:
                 responses.update({status: _error(text) for status, text in _INFERENCE_ERRORS.items()})
             elif path == "/v1/models":
                 responses["401"] = _error(_INFERENCE_ERRORS["401"])
+            if "401" in responses:  # the routes the key guards: either header satisfies it
+                op["security"] = [{"bearer": []}, {"apiKey": []}]
     invocations = schema["paths"].get("/invocations", {}).get("post")
     if invocations is not None:
         refs = [{"$ref": f"#/components/schemas/{kind.__name__}"} for kind in (EmbeddingRequest, RerankRequest,
