@@ -128,7 +128,7 @@ def test_serve_under_a_tight_memory_limit_answers_a_burst_with_429_not_oom(tmp_p
             time.sleep(0.2)
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "256"), ("500", "500")])
+@pytest.mark.parametrize(("given", "expected"), [(None, "384"), ("500", "500")])
 def test_onednn_kernel_cache_is_bounded_unless_the_operator_sets_it(given, expected):
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if given:

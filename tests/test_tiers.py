@@ -82,10 +82,13 @@ def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypat
     hardware.limit_isa("avx2")
     monkeypatch.setattr(native, "_tried", {})
     monkeypatch.setattr(native, "_loaded", {})
-    report = {k.name: k for k in native.build_kernels(native.NativeConfig(attention=False))}
+    report = {k.name: k for k in native.build_kernels(native.NativeConfig(attention=False, linear_f32=False))}
     assert not any(k.active for k in report.values())
-    # attention runs from AVX2 up (float32): built in the avx2 suite below
+    # attention and the float32 product run from AVX2 up: built in the avx2 suite below
     assert report["attention"].detail == "disabled by EMBER_NATIVE_ATTENTION=0; torch's SDPA instead"
+    assert (
+        report["linear_f32"].detail == "disabled by EMBER_NATIVE_LINEAR_F32=0; oneDNN's packed float32 matmul instead"
+    )
     assert report["int8_gemm"].detail.startswith("this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512_vnni")
     assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["elementwise"].detail
     assert report["linear"].detail.endswith("lacks avx512bw avx512f; float32 weights on oneMKL instead")
