@@ -28,7 +28,7 @@ prepare_process(None, None)  # threads as the server sizes them; EMBER_MAX_ISA a
 import torch  # noqa: E402
 
 from ember.hardware import find_compiler  # noqa: E402
-from ember.ops import native  # noqa: E402
+from ember.ops import cxx, native  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "src/ember/ops/csrc"
@@ -36,7 +36,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def _build(sources: Path, out: Path) -> ctypes.CDLL:
-    command = native._compile_command(find_compiler() or "g++", sources / "attention.cpp", out)
+    command = cxx.compile_command(find_compiler() or "g++", sources / "attention.cpp", out, native._march())
     subprocess.run(command, check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     for entry in ("ember_attention_f32", "ember_attention"):

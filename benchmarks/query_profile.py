@@ -62,8 +62,8 @@ def in_process(model: str, dtype: str, rounds: int) -> dict[str, float]:
         tokenizer.encode(QUERY)
         stages["tokenise"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        runner.embed([ids])
-        stages["runner.embed (forward + pooling)"].append(time.perf_counter() - start)
+        runner.run([ids])
+        stages["runner.run (forward + pooling)"].append(time.perf_counter() - start)
     out = {name: _median_ms(t) * (len(blocks) if name.startswith("layer.") else 1) for name, t in stages.items()}
     out = {(f"{k} (x{len(blocks)} layers)" if k.startswith("layer.") else k): v for k, v in out.items()}
 

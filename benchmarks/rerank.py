@@ -84,7 +84,7 @@ def reference(kind: str, path: Path):
         return lambda q, docs: ce.predict([(q, d) for d in docs], batch_size=32)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ember.engine.pairs import QWEN3_RERANKER_SUFFIX, qwen3_reranker_prompt
+    from ember.models.classifier import QWEN3_RERANKER as prompt
 
     tok = AutoTokenizer.from_pretrained(str(path), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.bfloat16).eval()
@@ -94,7 +94,7 @@ def reference(kind: str, path: Path):
     def score(q: str, docs: list[str]) -> list[float]:
         out: list[float] = []
         for i in range(0, len(docs), 16):
-            texts = [qwen3_reranker_prompt(q) + f"<Document>: {d}" + QWEN3_RERANKER_SUFFIX for d in docs[i : i + 16]]
+            texts = [prompt.head(q) + prompt.document.format(document=d) + prompt.suffix for d in docs[i : i + 16]]
             batch = tok(texts, padding=True, add_special_tokens=False, return_tensors="pt")
             last = model(**batch).logits[:, -1, [no, yes]].float()
             out += torch.softmax(last, -1)[:, 1].tolist()
@@ -153,11 +153,11 @@ def http_round(url: str, model: str, docs: list[str], r: int, kind: str) -> tupl
 
     def body(query: str, documents: list[str]) -> dict[str, object]:
         if kind == "qwen3":
-            from ember.engine.pairs import QWEN3_RERANKER_SUFFIX, qwen3_reranker_prompt
+            from ember.models.classifier import QWEN3_RERANKER as prompt
 
             query, documents = (
-                qwen3_reranker_prompt(query),
-                [f"<Document>: {d}{QWEN3_RERANKER_SUFFIX}" for d in documents],
+                prompt.head(query),
+                [prompt.document.format(document=d) + prompt.suffix for d in documents],
             )
         return {"model": model, "query": query, "documents": documents}
 

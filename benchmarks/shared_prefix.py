@@ -45,7 +45,7 @@ def main() -> None:
         for way in ["shared", "whole"] if r % 2 == 0 else ["whole", "shared"]:
             runner.share_prefixes = way == "shared"
             start = time.perf_counter()
-            runner.embed(batch)
+            runner.run(batch)
             took[way] = time.perf_counter() - start
         print(f"round {r + 1}: {sum(map(len, batch))} tokens, shared {took['shared'] * 1e3:.0f} ms, whole "
               f"{took['whole'] * 1e3:.0f} ms", flush=True)  # fmt: skip

@@ -43,7 +43,7 @@ class FakeRunner:
         self.compile_error: Exception | None = None
         self.compiled = threading.Event()
 
-    def embed(
+    def run(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[str] | None = None
     ) -> Any:
         self.gate.wait(10)

@@ -55,7 +55,7 @@ def reference(path, ids_list):
 
 
 def test_dense_sparse_and_colbert_equal_flagembedding_formulas(m3_dir, embedder):
-    assert embedder.info.token_heads and embedder.info.pooling.method == "CLS"
+    assert embedder.info.head.trim_specials and embedder.info.pooling.method == "CLS"
     ids = [embedder.tokenizer.encode(t) for t in TEXTS]
     ref = reference(m3_dir, ids)
     dense = embedder.embed(TEXTS).vectors
@@ -141,8 +141,8 @@ def test_the_heads_load_by_vllms_architecture_name_and_missing_files_are_named(m
     shutil.copytree(m3_dir, copy)
     (copy / "colbert_linear.pt").unlink()
     plain = Embedder(str(copy), dtype="float32", enforce_eager=True)  # no heads beside it: a dense XLM-R model
-    assert not plain.info.token_heads
-    with pytest.raises(InputError, match="token_classify needs bge-m3's sparse head"):
+    assert "token_classify" not in plain.info.head.outputs
+    with pytest.raises(InputError, match="does not give token_classify; it gives embed, token_embed"):
         plain.lexical_weights(["a text"])
     overrides = {"architectures": ["BgeM3EmbeddingModel"]}
     with pytest.raises(CheckpointError, match=r"colbert_linear\.pt is missing"):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from ember.cli.flags import add_serve_flags, check_runner, max_inputs_per_request, parse_size
+from ember.cli.flags import add_serve_flags, check_runner, max_inputs_per_request
+from ember.cli.model_flags import parse_size
 from ember.cli.runtime import _find_allocator, parse_bytes
 from ember.errors import ConfigError
 

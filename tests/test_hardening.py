@@ -112,7 +112,7 @@ def test_a_client_that_leaves_mid_body_is_counted_as_499_not_400():
 
     metrics = Metrics()
     scope = {"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": [(b"content-length", b"100")]}
-    asyncio.run(EdgeMiddleware(app, metrics, 1000)(scope, receive, send))
+    asyncio.run(EdgeMiddleware(app, metrics, 1000, endpoints={scope["path"]})(scope, receive, send))
     assert metrics.requests.labels("/v1/embeddings", "499")._value.get() == 1
     assert metrics.requests.labels("/v1/embeddings", "400")._value.get() == 0
 

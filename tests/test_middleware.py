@@ -23,7 +23,7 @@ def app():
 
     metrics = Metrics()
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=100)
+    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=100, endpoints={"/v1/embeddings"})
     app.state.metrics = metrics
     return app
 
@@ -71,4 +71,15 @@ def test_requests_are_counted_by_endpoint_and_status(app):
     text = app.state.metrics.render().decode()
     assert 'ember_requests_total{endpoint="/v1/embeddings",status="200"} 1.0' in text
     assert 'ember_requests_total{endpoint="/v1/embeddings",status="413"} 1.0' in text
+    assert 'ember_requests_total{endpoint="other",status="404"} 1.0' in text
+
+
+def test_every_route_of_the_app_is_its_own_metrics_endpoint(client):
+    """The endpoint label comes from the app's own routes (no hand-kept list that misses one)."""
+    for path in ("/embed_sparse", "/v2/embed", "/invocations", "/v1/score", "/tokenize"):
+        client.post(path, json={})
+    client.post("/not-a-route", json={})
+    text = client.app.state.ctx.metrics.render().decode()
+    for path in ("/embed_sparse", "/v2/embed", "/invocations", "/v1/score", "/tokenize"):
+        assert f'ember_requests_total{{endpoint="{path}",status="400"}} 1.0' in text
     assert 'ember_requests_total{endpoint="other",status="404"} 1.0' in text

@@ -149,7 +149,7 @@ def test_batches_run_at_rounded_token_counts_and_the_filler_changes_nothing(tmp_
     seen = []
     hook = runner.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
     try:
-        ours = runner.embed(batch)
+        ours = runner.run(batch)
     finally:
         hook.remove()
     assert seen == [24]

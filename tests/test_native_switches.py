@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from checkpoints import build_bert
-from ember.ops import native
+from ember.ops import cxx, native
 from server import Server
 
 SWITCHES = {
@@ -70,8 +70,8 @@ def test_the_cache_key_changes_with_the_compile_command(tmp_path, compiler, monk
     source = tmp_path / "probe.cpp"
     source.write_text('extern "C" int ember_probe_usable() { return 1; }\n')
     first, _ = native._library(compiler, source, tmp_path)
-    command = native._compile_command
-    monkeypatch.setattr(native, "_compile_command", lambda *a: [*command(*a), "-DEMBER_OTHER_FLAGS"])
+    command = cxx.compile_command
+    monkeypatch.setattr(cxx, "compile_command", lambda *a: [*command(*a), "-DEMBER_OTHER_FLAGS"])
     second, how = native._library(compiler, source, tmp_path)
     assert second != first and how == "built into"
 
@@ -224,7 +224,7 @@ def test_with_no_compiler_and_nothing_prebuilt_the_log_says_how_to_get_them(tmp_
 def test_a_corrupt_prebuilt_library_is_not_loaded(tmp_path, compiler):
     source = tmp_path / "probe.cpp"
     source.write_text('extern "C" int ember_probe_usable() { return 1; }\n')
-    native._compile(compiler, source, native._prebuilt_path(source, tmp_path, "avx512_bf16"), ["-O1"])
+    cxx.compile_library(compiler, source, native._prebuilt_path(source, tmp_path, "avx512_bf16"), ["-O1"])
     assert native._prebuilt(source, tmp_path, "avx512_bf16") is not None
     path = native._prebuilt_path(source, tmp_path, "avx512_bf16")
     path.write_bytes(path.read_bytes()[:64])

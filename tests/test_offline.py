@@ -24,13 +24,13 @@ def embedder(model_dir):
 
 def _recording(embedder):
     seen = []
-    embed = embedder._loaded.runner.embed
+    embed = embedder._loaded.runner.run
 
     def record(batch, token_types=None, outputs=None):
         seen.append([len(ids) for ids in batch])
         return embed(batch, token_types, outputs)
 
-    embedder._loaded.runner.embed = record
+    embedder._loaded.runner.run = record
     return seen
 
 
@@ -39,7 +39,7 @@ def test_batches_stay_within_the_budget_the_memory_plan_allows(embedder):
     try:
         embedder.embed(SENTENCES[:30])
     finally:
-        del embedder._loaded.runner.embed
+        del embedder._loaded.runner.run
     budget = embedder._loaded.memory.max_batch_tokens
     assert budget == embedder.engine_config.max_num_batched_tokens == 40
     assert len(seen) > 1 and all(len(b) == 1 or sum(b) <= budget for b in seen)

@@ -77,7 +77,7 @@ def _tokens_run(runner, batch, share):
     runner.share_prefixes = share
     try:
         with _tokens_seen(runner) as seen:
-            return runner.embed(batch), seen[0]
+            return runner.run(batch), seen[0]
     finally:
         runner.share_prefixes = True
 
@@ -107,7 +107,7 @@ def test_a_shared_batch_equals_the_same_batch_run_whole(tmp_path, dtype, head_di
     assert shared_tokens < 0.7 * whole_tokens
     assert whole.shape == shared.shape == (len(batch), 128)
     assert min(cos(a, b) for a, b in zip(whole, shared, strict=True)) >= floor
-    alone = np.stack([runner.embed([ids])[0] for ids in batch[:3]])  # and each alone, where nothing is shared
+    alone = np.stack([runner.run([ids])[0] for ids in batch[:3]])  # and each alone, where nothing is shared
     assert min(cos(a, b) for a, b in zip(alone, shared[:3], strict=True)) >= floor
 
 

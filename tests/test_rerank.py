@@ -10,7 +10,6 @@ import torch
 from checkpoints import build_bert, build_cross_encoder, build_qwen3_reranker
 from corpus import DOCUMENTS, QUERIES
 from ember import Reranker
-from ember.engine.pairs import QWEN3_RERANKER_SUFFIX, qwen3_reranker_prompt
 from ember.errors import InputError
 from ember.models.checkpoint import iter_weights
 
@@ -51,7 +50,7 @@ def test_cross_encoders_equal_sentence_transformers(dirs, kind):
     got = np.array(ours.score(PAIRS))
     np.testing.assert_allclose(got, expected, atol=1e-5)
     assert np.argsort(-got).tolist() == np.argsort(-expected).tolist()
-    assert ours.info.activation == ("identity" if kind == "bert-identity" else "sigmoid")  # ms-marco: raw logits
+    assert ours.info.head.activation == ("identity" if kind == "bert-identity" else "sigmoid")  # ms-marco: raw logits
 
 
 def test_two_labels_are_softmax_and_the_relevant_class_is_the_last(dirs):
@@ -62,8 +61,17 @@ def test_two_labels_are_softmax_and_the_relevant_class_is_the_last(dirs):
     np.testing.assert_allclose(ours.score(PAIRS), probs[:, -1], atol=1e-5)
 
 
+_QWEN3_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+_QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+_QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
 def _qwen3_reference(path, pairs, instruction=None):
-    """The official recipe: prefix + instruct/query/document + suffix, P(yes) against P(no) at the last token."""
+    """The official recipe (Qwen3-Reranker's model card): prefix + instruct/query/document + suffix, P(yes) against
+    P(no) at the last token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -71,7 +79,8 @@ def _qwen3_reference(path, pairs, instruction=None):
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
     scores = []
     for q, d in pairs:
-        text = qwen3_reranker_prompt(q, instruction) + f"<Document>: {d}" + QWEN3_RERANKER_SUFFIX
+        instruct = instruction or _QWEN3_INSTRUCTION
+        text = f"{_QWEN3_PREFIX}<Instruct>: {instruct}\n<Query>: {q}\n<Document>: {d}{_QWEN3_SUFFIX}"
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
             last = model(ids).logits[0, -1]
@@ -88,7 +97,7 @@ def test_qwen3_reranker_equals_transformers(dirs, kind):
     np.testing.assert_allclose(
         ours.score(pairs[:3], instruction=instruction), _qwen3_reference(dirs[kind], pairs[:3], instruction), atol=1e-5
     )
-    assert ours.info.task == "score" and ours.info.num_labels == 1
+    assert ours.info.task == "score" and ours.info.head.num_labels == 1
 
 
 def test_qwen3_reranker_in_bfloat16_stays_close(dirs):

@@ -79,7 +79,9 @@ def test_v2_limited(tmp_path: Path) -> None:
 
 def test_v2_unlimited(tmp_path: Path) -> None:
     root = v2(tmp_path, "/app", {"app/cpu.max": "max 100000\n", "app/memory.max": "max\n"})
-    assert cpu_budget(root, affinity=6) == CpuBudget(6, None, None, 6, cpu_budget(root, affinity=6).source)
+    assert cpu_budget(root, affinity=6) == CpuBudget(
+        6, None, None, 6, cpu_budget(root, affinity=6).source, tuple(range(6))
+    )
     memory = memory_budget(root)
     assert (memory.limit_bytes, memory.available_bytes, memory.total_bytes) == (None, MEM_AVAILABLE, MEM_TOTAL)
     assert "no limit" in memory.source

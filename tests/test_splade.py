@@ -150,5 +150,5 @@ def test_vllms_architecture_override_makes_a_plain_mlm_checkpoint_splade(tmp_pat
         (path / name).unlink()
     override = {"architectures": ["BertSpladeSparseEmbeddingModel"]}
     embedder = Embedder(str(path), dtype="float32", enforce_eager=True, hf_overrides=override)
-    assert embedder.info.pooling.method == "SPLADE" and embedder.info.splade_strategy == "max"
+    assert embedder.info.pooling.method == "SPLADE" and embedder.info.head.merge == "max"
     np.testing.assert_allclose(embedder.embed(TEXTS[:3]).vectors, ref, atol=1e-6)

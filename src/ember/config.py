@@ -101,8 +101,9 @@ def _validated(kw: dict[str, Any], flag: str) -> dict[str, Any]:
         if name in kw and kw[name] is not None and not isinstance(kw[name], bool):
             raise ConfigError(f"{flag}: {name} must be true or false, got {kw[name]!r}")
     if kw.get("task") not in (None, "embed", "token_embed", "token_classify"):
-        raise ConfigError(f"{flag}: task {kw['task']!r} is not one ember runs; choose embed, token_embed or "
-                          "token_classify")  # fmt: skip
+        raise ConfigError(
+            f"{flag}: task {kw['task']!r} is not one ember runs; choose embed, token_embed or token_classify"
+        )
     overlap = kw.get("chunk_overlap", 0)
     if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
         raise ConfigError(f"{flag}: chunk_overlap must be a non-negative integer, got {overlap!r}")
@@ -142,21 +143,27 @@ class ModelConfig:
     served_name: str | None = None
     """The name the model is reported as (the first --served-model-name); None: `model`."""
     revision: str | None = None
+    """The hub revision to load: a branch, tag or commit."""
     download_dir: str | None = None
+    """The Hugging Face cache directory for hub downloads."""
     dtype: DType = "auto"
+    """auto (bfloat16 where the CPU has bf16 matrix instructions, else float32), float32 or bfloat16 (float16 and
+    half run as bfloat16); int8 is --quantization int8 in the auto dtype."""
     quantization: Literal["int8"] | None = None
-    """int8: weights at one byte and per-token int8 activations in the linear layers (--quantization)."""
+    """int8: weights at one byte and per-token int8 activations in the linear layers."""
     max_model_len: int | None = None
     """Longest input in tokens; None: the model's positions, capped by sentence-transformers' max_seq_length."""
     hf_overrides: dict[str, Any] | None = None
-    """Merged into config.json before anything reads it (--hf-overrides)."""
+    """JSON merged into config.json before anything reads it, e.g. {"is_matryoshka": true}."""
     pooler: PoolerConfig = PoolerConfig()
+    """vLLM's PoolerConfig JSON: pooling_type, normalize, dimensions, enable_chunked_processing, max_embed_len,
+    chunk_overlap, task."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
-    """The batch token budget asked for; the memory plan may lower it (--max-num-batched-tokens)."""
+    """Token budget of one batch; the memory plan may lower it."""
     max_queued_tokens: int = 1_000_000
-    """The queue's token budget asked for; the memory plan may lower it (--max-queued-tokens)."""
+    """Tokens queued before 429; the memory plan may lower it."""
     memory_limit: int | None = None
-    """Bytes to plan for instead of the detected cgroup limit or available memory (--memory-limit)."""
+    """Bytes to plan for, e.g. 4Gi, instead of the detected cgroup limit or available memory."""
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int8"):

@@ -65,27 +65,32 @@ class _Offline:
         revision: str | None = None,
         hf_overrides: dict[str, Any] | None = None,
         max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-        max_batch_seqs: int = 256,
+        max_batch_seqs: int = EngineConfig.max_num_seqs,
         auto_truncate: bool = False,
         threads: int | None = None,
         quantization: Literal["int8"] | None = None,
         enforce_eager: bool = False,
         native: NativeConfig | None = None,
+        config: ModelConfig | None = None,
     ) -> None:
+        """`config`, when given, is the whole model configuration (as `ember serve`'s model flags build it, for
+        `ember embed`) and the loading keywords before `auto_truncate` are not read."""
         # oneDNN reads its kernel cache bound at the first matmul: set it (unless the caller did) before any
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
-        pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
-        config = ModelConfig(
-            model,
-            dtype=check_dtype(dtype),
-            max_model_len=max_model_len,
-            pooler=pooler,
-            revision=revision,
-            hf_overrides=hf_overrides,
-            quantization=quantization,
-            max_batch_tokens=max_batch_tokens,
-        )
+        if config is None:
+            pooler = pooler_config if isinstance(pooler_config, PoolerConfig) else PoolerConfig.parse(pooler_config)
+            config = ModelConfig(
+                model,
+                dtype=check_dtype(dtype),
+                max_model_len=max_model_len,
+                pooler=pooler,
+                revision=revision,
+                hf_overrides=hf_overrides,
+                quantization=quantization,
+                max_batch_tokens=max_batch_tokens,
+            )
+        pooler = config.pooler
         # an API edge like the CLI: the operator's EMBER_NATIVE_*, EMBER_CACHE_DIR and CXX apply here too (the
         # image's prebuilt kernels are found through EMBER_CACHE_DIR)
         self._loaded: Loaded = load(config, native or NativeConfig.from_env(os.environ))
@@ -135,7 +140,7 @@ class _Offline:
         scheduler = Scheduler(self.engine_config)
         request = scheduler.admit(windows, counts, 0.0, types, output)
         while batch := scheduler.next_batch(0.0):
-            scheduler.complete(batch, self._loaded.runner.embed(*batch_inputs(batch)), 0.0, 0.0)
+            scheduler.complete(batch, self._loaded.runner.run(*batch_inputs(batch)), 0.0, 0.0)
         return request
 
 
@@ -175,8 +180,14 @@ class Embedder(_Offline):
         (tokens, D) arrays in input order, special tokens included; inputs longer than max-model-len are refused
         unless truncated."""
         self._check_embeds()
-        params = EmbedParams(dimensions, normalize, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
-                             output="token_embed")  # fmt: skip
+        params = EmbedParams(
+            dimensions,
+            normalize,
+            truncate_prompt_tokens,
+            truncation_side,
+            prompt_name=prompt_name,
+            output="token_embed",
+        )
         return TokenEmbeddings(*self._vectors(inputs, params))
 
     def lexical_weights(
@@ -191,8 +202,14 @@ class Embedder(_Offline):
         vocabulary entry, or bge-m3's sparse head as FlagEmbedding gives them (each distinct token's largest
         weight, special tokens left out)."""
         self._check_embeds()
-        params = EmbedParams(None, None, truncate_prompt_tokens, truncation_side, prompt_name=prompt_name,
-                             output=sparse_output(self.info) or "token_classify")  # fmt: skip
+        params = EmbedParams(
+            None,
+            None,
+            truncate_prompt_tokens,
+            truncation_side,
+            prompt_name=prompt_name,
+            output=sparse_output(self.info) or "token_classify",
+        )
         vectors, _ = self._vectors(inputs, params)
         pairs = (lexical(v, self.tokenizer.special_ids) for v in vectors)
         return [dict(zip(ids.tolist(), weights.tolist(), strict=True)) for ids, weights in pairs]
@@ -220,8 +237,8 @@ class Reranker(_Offline):
             out = self._embed(texts, EmbedParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens))
             return cosine_scores(pairs, texts, list(out.vectors), out.token_counts)[0]
         built = self.pairs.fit(pairs, params)
-        request = self._run([[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built])
-        return [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]
+        request = self._run(*self.pairs.windows(built))
+        return self.pairs.scores(request.pooled, len(built), params)
 
     def rerank(
         self, query: str, documents: list[str], top_n: int | None = None, **options: Any

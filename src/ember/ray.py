@@ -170,9 +170,13 @@ def run_on_ray(
 
 
 def _run(
-    job: EmbedJob, embedder: dict[str, Any], output: _Output,
-    actors: int | None, cpus_per_actor: int | None, batch_size: int,
-) -> JobSummary:  # fmt: skip
+    job: EmbedJob,
+    embedder: dict[str, Any],
+    output: _Output,
+    actors: int | None,
+    cpus_per_actor: int | None,
+    batch_size: int,
+) -> JobSummary:
     start = time.perf_counter()
     context = ray.data.DataContext.get_current()
     sizes = context.target_min_block_size, context.target_max_block_size
@@ -187,9 +191,13 @@ def _run(
     rows_in = source.count()
     log.info("embedding %d rows on up to %d actor(s) of %d CPU(s)", rows_in, pool, per_actor)
     out = source.map_batches(
-        EmberEmbedder, fn_constructor_kwargs={"text_column": job.text_column, **embedder}, concurrency=(1, pool),
-        num_cpus=per_actor, batch_size=batch_size, batch_format="pyarrow",
-    )  # fmt: skip
+        EmberEmbedder,
+        fn_constructor_kwargs={"text_column": job.text_column, **embedder},
+        concurrency=(1, pool),
+        num_cpus=per_actor,
+        batch_size=batch_size,
+        batch_format="pyarrow",
+    )
     out = out.select_columns(["id", "embedding", "tokens", *job.keep_columns], num_cpus=0)
     out.write_parquet(root, filesystem=fs, min_rows_per_file=job.part_rows, ray_remote_args=NO_CPU)
     files = _parquet_files(fs, root)
@@ -226,8 +234,10 @@ def _pool(cpus_per_actor: int | None, actors: int | None) -> tuple[int, int]:
     pool = actors or max(1, sum(n // per_actor for n in nodes))
     if per_actor >= sum(nodes):  # the pool's first actor would hold every CPU: the file listing never starts
         if cpus_per_actor is not None:
-            raise ConfigError(f"--cpus-per-actor {per_actor} would hold every CPU of the cluster ({sum(nodes)}), and "
-                              "Ray Data's file listing needs one: ask for fewer")  # fmt: skip
+            raise ConfigError(
+                f"--cpus-per-actor {per_actor} would hold every CPU of the cluster ({sum(nodes)}), and "
+                "Ray Data's file listing needs one: ask for fewer"
+            )
         per_actor -= 1
     return per_actor, pool
 
@@ -241,8 +251,9 @@ def _parquet_files(fs: pa_fs.FileSystem, root: str) -> list[str]:
 
 
 def _files(fs: pa_fs.FileSystem, root: str) -> list[str]:
-    return sorted(i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True))
-                  if i.is_file)  # fmt: skip
+    return sorted(
+        i.path for i in fs.get_file_info(pa_fs.FileSelector(root, allow_not_found=True, recursive=True)) if i.is_file
+    )
 
 
 def _overlap(out: Path, source: Path) -> bool:

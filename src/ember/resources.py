@@ -12,7 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuBudget", "MemoryBudget", "cpu_budget", "memory_budget", "parse_cpu_list", "release_free_memory"]
+__all__ = [
+    "CpuBudget",
+    "MemoryBudget",
+    "affinity_cpus",
+    "cpu_budget",
+    "memory_budget",
+    "parse_cpu_list",
+    "release_free_memory",
+]
 
 _ROOT = Path("/")
 # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large cannot be a real limit.
@@ -28,6 +36,7 @@ class CpuBudget:
     cpuset: int | None  # CPUs in the cgroup cpuset, None if unknown
     usable: int  # floor(min of the known limits), at least 1
     source: str  # human-readable reason for `usable`
+    cpus: tuple[int, ...] = ()  # the CPU ids of the affinity; empty: 0 .. affinity - 1
 
 
 @dataclass(frozen=True)
@@ -86,8 +95,8 @@ def parse_cpu_list(text: str) -> set[int]:
 
 def cpu_budget(root: Path = _ROOT, affinity: int | None = None) -> CpuBudget:
     """The CPUs usable here: the tightest of affinity, cgroup CPU quota and cgroup cpuset."""
-    if affinity is None:
-        affinity = _affinity()
+    cpus = affinity_cpus() if affinity is None else tuple(range(affinity))
+    affinity = len(cpus)
     version, dirs = _controller_dirs(root, "cpu")
     notes: list[str] = []
     quota: float | None = None
@@ -109,7 +118,7 @@ def cpu_budget(root: Path = _ROOT, affinity: int | None = None) -> CpuBudget:
     limits = [float(affinity)] + [x for x in (quota, cpuset) if x is not None]
     # A fractional quota still lets one thread run (throttled), so never go below 1.
     usable = max(1, math.floor(min(limits)))
-    return CpuBudget(affinity=affinity, quota=quota, cpuset=cpuset, usable=usable, source="; ".join(notes))
+    return CpuBudget(affinity, quota, cpuset, usable, "; ".join(notes), cpus)
 
 
 def memory_budget(root: Path = _ROOT) -> MemoryBudget:
@@ -152,11 +161,12 @@ def _memory_limit(root: Path, total: int, notes: list[str]) -> int | None:
     return int(found.value)
 
 
-def _affinity() -> int:
+def affinity_cpus() -> tuple[int, ...]:
+    """The ids of the CPUs this process may run on (sched_getaffinity), ascending."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux, or a sandbox that forbids the call
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
 
 
 def _read(path: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""Sizing ember to its container: how many threads, and how many tokens fit in memory (pure).
+"""Sizing ember to its container: how many threads, and how many tokens fit in memory (pure: it reads nothing).
 
 The inputs are what `resources` detected and what the operator asked for; the outputs are
 the numbers ember runs with and the reasons it gives for them at startup and in `ember doctor`.
@@ -53,7 +53,8 @@ def plan_threads(
     """Threads from --threads, else an explicit OMP_NUM_THREADS, else the usable CPUs; `label` and `bind_label`
     name where the thread count and the CPU list came from, for errors."""
     warnings: list[str] = []
-    cpus = _bind_list(bind, bind_label)
+    allowed = set(cpu.cpus or range(cpu.affinity))
+    cpus = _bind_list(bind, bind_label, allowed)
     if requested is not None:
         if requested < 1:
             raise ConfigError(f"{label} must be at least 1, got {requested}")
@@ -74,30 +75,20 @@ def plan_threads(
             "threads will be throttled by the CPU quota; use at most that many"
         )
     if bind == "auto":
-        cpus = tuple(sorted(_affinity_set())[:threads])
+        cpus = tuple(sorted(allowed)[:threads])
     return ThreadPlan(threads, reason, cpus or None, tuple(warnings))
 
 
-def _bind_list(bind: str | None, label: str) -> tuple[int, ...]:
+def _bind_list(bind: str | None, label: str, allowed: set[int]) -> tuple[int, ...]:
     if bind in (None, "", "auto", "nobind"):
         return ()
     try:
         cpus = parse_cpu_list(bind.split("|")[0])
     except ValueError as e:
         raise ConfigError(f"{label} {bind!r}: {e}") from None
-    allowed = _affinity_set()
     if not cpus <= allowed:
         raise ConfigError(f"{label} {bind!r} names CPUs outside this process's affinity {sorted(allowed)}")
     return tuple(sorted(cpus))
-
-
-def _affinity_set() -> set[int]:
-    import os
-
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
 
 
 def activation_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:

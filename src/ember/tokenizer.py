@@ -99,8 +99,9 @@ class Tokenizer:
         text is encoded once."""
         firsts = {a: None for a, _ in pairs}
         try:
-            first_enc = dict(zip(firsts, self._hf.encode_batch_fast(list(firsts), add_special_tokens=False),
-                                 strict=True))  # fmt: skip
+            first_enc = dict(
+                zip(firsts, self._hf.encode_batch_fast(list(firsts), add_special_tokens=False), strict=True)
+            )
             second_enc = self._hf.encode_batch_fast([b for _, b in pairs], add_special_tokens=False)
         except TypeError:
             raise _not_unicode([t for pair in pairs for t in pair]) from None

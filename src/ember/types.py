@@ -9,9 +9,11 @@ import numpy as np
 
 __all__ = [
     "Activation",
+    "HeadSpec",
     "KernelStatus",
     "ModelInfo",
     "Output",
+    "PairPrompt",
     "PoolingSpec",
     "PoolingType",
     "Runner",
@@ -41,6 +43,47 @@ class PoolingSpec:
 
 
 @dataclass(frozen=True)
+class PairPrompt:
+    """How a score model that reads a prompt (Qwen3-Reranker) wants a (query, document) pair: `query` (with
+    {instruction} and {query}), then `document` (with {document}), then `suffix`. A query that already starts with
+    `formatted` is taken as a whole prompt head and its document as it is (vLLM's examples format it themselves)."""
+
+    query: str
+    document: str
+    suffix: str
+    default_instruction: str
+    formatted: str
+
+    def head(self, query: str, instruction: str | None = None) -> str:
+        """The prompt before the document."""
+        return self.query.format(instruction=instruction or self.default_instruction, query=query)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What a model's head gives, declared by the model (ember.models.heads): engine/ and api/ read this, never the
+    model's family."""
+
+    task: Task = "embed"
+    outputs: tuple[Output, ...] = ("embed", "token_embed")
+    """The pooling tasks it answers (vLLM's names); none for a score model, which answers /score and /rerank."""
+    vocabulary: bool = False
+    """The pooled vector is a weight per vocabulary entry (SPLADE): served dense on /v1/embeddings, as
+    {index, value} pairs on /embed_sparse."""
+    merge: Literal["mean", "max", "sum"] = "mean"
+    """How the windows of a chunked input merge: token-weighted mean, or a SPLADE model's max or sum."""
+    trim_specials: bool = False
+    """Per-token outputs leave out the first special token (and token_classify the last too), as vLLM serves
+    bge-m3's heads."""
+    num_labels: int = 0
+    """Outputs of a score model's classifier: (num_labels,) logits per pair."""
+    activation: Activation = "identity"
+    """What turns a score model's logits into scores (sentence-transformers' and vLLM's choice)."""
+    pair_prompt: PairPrompt | None = None
+    """How a pair becomes one input: None, the tokenizer's pair template ([CLS] q [SEP] d [SEP]); else this prompt."""
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the rest of ember needs to know about a loaded model."""
 
@@ -57,20 +100,12 @@ class ModelInfo:
     default_prompt_name: str | None = None
     """Applied when a request names no prompt (sentence-transformers' default_prompt_name)."""
     vocab_size: int = 0
-    task: Task = "embed"
-    num_labels: int = 0
-    """Outputs of a score model's classifier (its pooled output is then (num_labels,) logits)."""
-    activation: Activation = "identity"
-    """What turns a score model's logits into scores (sentence-transformers' and vLLM's choice)."""
-    pair_template: Literal["tokenizer", "qwen3-reranker"] = "tokenizer"
-    """How a (query, document) pair becomes one input: the tokenizer's pair template ([CLS] q [SEP] d [SEP]),
-    or Qwen3-Reranker's chat prompt."""
-    splade_strategy: Literal["max", "sum"] | None = None
-    """A sparse (SPLADE) model's merge over tokens; its vector is then a weight per vocabulary entry
-    (`dimension` = vocabulary size), served dense on /v1/embeddings and as {index, value} pairs on /embed_sparse."""
-    token_heads: bool = False
-    """bge-m3's two extra heads are loaded: token_classify gives its sparse head's weight per token, token_embed its
-    ColBERT vectors (both without the first token, token_classify without the last too, as vLLM serves them)."""
+    head: HeadSpec = field(default_factory=lambda: HeadSpec())
+    """What the model's head gives, as the model declares it."""
+
+    @property
+    def task(self) -> Task:
+        return self.head.task
 
 
 @dataclass(frozen=True)
@@ -110,22 +145,23 @@ class KernelStatus:
 
 
 class Runner(Protocol):
-    """The backend contract: pooled float32 vectors for a batch of token-id sequences."""
+    """The backend contract: a batch of token-id sequences in, each one's answer from the model's head out."""
 
     info: ModelInfo
 
-    def embed(
+    def run(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
-        """Returns (B, dimension) float32, pooled but before the head (no truncation/normalisation); for a score
-        model (B, num_labels) logits. `token_types`: segment ids per token (pairs), else all 0. `outputs`: what
+        """Returns (B, dimension) float32, each input's answer to task embed from the model's head (ModelInfo.head):
+        a pooled vector (before Matryoshka truncation and normalisation), a score model's (num_labels,) logits, or a
+        SPLADE model's vocabulary weights. `token_types`: segment ids per token (pairs), else all 0. `outputs`: what
         each row wants when not all want the pooled vector (the result is then a list): token_embed rows get
         (tokens, dimension) token vectors, token_classify rows (tokens,) token weights."""
         ...
 
     def load_kernels(self) -> list[KernelStatus]:
         """Builds or loads ember's native kernels (as configured) and moves the model onto them; reports each.
-        Called once, on its own thread, while embed() keeps serving."""
+        Called once, on its own thread, while run() keeps serving."""
         ...
 
     def compile(self) -> None:

@@ -89,18 +89,23 @@ def create_app(
     _watch(metrics, engine, config)
     install_error_handlers(app)
     install_openapi(app)
-    app.include_router(inference)
-    app.include_router(pooling)
-    app.include_router(scoring)
-    app.include_router(cohere)
-    app.include_router(invocations)
-    app.include_router(sparse)
-    app.include_router(probes)
-    routers = (inference, pooling, scoring, cohere, invocations, sparse)
-    protected = {route.path for router in routers for route in router.routes}  # type: ignore[attr-defined]
-    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_request_bytes,
-                       api_keys=config.api_keys, protected=protected, max_body_values=max_body_values(engine, config),
-                       hold_answer=engine.hold_answer, tracing=tracing)  # fmt: skip
+    guarded = (inference, pooling, scoring, cohere, invocations, sparse)  # the API key guards these routes
+    for router in (*guarded, probes):
+        app.include_router(router)
+    protected = {route.path for router in guarded for route in router.routes}  # type: ignore[attr-defined]
+    own = {getattr(route, "path", None) for route in app.routes}  # /docs, /openapi.json, when served
+    endpoints = protected | {route.path for route in probes.routes} | {p for p in own if p}  # type: ignore[attr-defined]
+    app.add_middleware(
+        EdgeMiddleware,
+        metrics=metrics,
+        max_body_bytes=config.max_request_bytes,
+        api_keys=config.api_keys,
+        protected=protected,
+        max_body_values=max_body_values(engine, config),
+        hold_answer=engine.hold_answer,
+        tracing=tracing,
+        endpoints=endpoints,
+    )
     if cors is not None:  # outermost: a preflight carries no API key and is answered before the key is checked
         app.add_middleware(CORSMiddleware, **cors)
     return app

@@ -17,18 +17,18 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember.api.encoding import quantize
 from ember.api.responses import JSONBytes
-from ember.api.routes import check_count, context, engine_call, require_api_key
+from ember.api.routes import check_count, context, engine_call
 from ember.engine.engine import EmbedParams
 from ember.errors import InputError
 
 __all__ = ["CohereEmbedRequest", "cohere", "typed_embeddings"]
 
-cohere = APIRouter(dependencies=[Depends(require_api_key)])
+cohere = APIRouter()
 
 EmbeddingType = Literal["float", "base64", "binary", "ubinary", "int8", "uint8"]
 
@@ -124,21 +124,30 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     check_count(request, len(texts), "texts" if body.texts is not None else "inputs")
     truncate, side = _truncation(body)
     prompt = _prompt(body.input_type, context(request).engine.info.prompts)
-    params = EmbedParams(dimensions=body.output_dimension, truncate_prompt_tokens=truncate, truncation_side=side,
-                         **prompt)  # fmt: skip
+    params = EmbedParams(
+        dimensions=body.output_dimension, truncate_prompt_tokens=truncate, truncation_side=side, **prompt
+    )
     _, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(texts, params, timeout=timeout)
     )
     if body.truncate == "NONE" and body.max_tokens is not None:
         longest = max(result.token_counts)
         if longest > body.max_tokens:
-            raise InputError(f"Input of {longest} tokens exceeds max_tokens={body.max_tokens} with truncate=NONE. "
-                             "Set truncate to END or START to allow truncation.", "max_tokens")  # fmt: skip
-    return JSONBytes({
-        "id": f"embd-{request.state.request_id}",
-        "embeddings": typed_embeddings(np.asarray(result.vectors), list(body.embedding_types or ["float"])),
-        "texts": texts,
-        "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens, "image_tokens": 0},
-                 "tokens": {"input_tokens": tokens, "output_tokens": 0}},
-        "response_type": "embeddings_by_type",
-    })  # fmt: skip
+            raise InputError(
+                f"Input of {longest} tokens exceeds max_tokens={body.max_tokens} with truncate=NONE. "
+                "Set truncate to END or START to allow truncation.",
+                "max_tokens",
+            )
+    return JSONBytes(
+        {
+            "id": f"embd-{request.state.request_id}",
+            "embeddings": typed_embeddings(np.asarray(result.vectors), list(body.embedding_types or ["float"])),
+            "texts": texts,
+            "meta": {
+                "api_version": {"version": "2"},
+                "billed_units": {"input_tokens": tokens, "image_tokens": 0},
+                "tokens": {"input_tokens": tokens, "output_tokens": 0},
+            },
+            "response_type": "embeddings_by_type",
+        }
+    )

@@ -113,8 +113,16 @@ def bytes_response(
     for index, vector in enumerate(vectors):
         raw = to_bytes(vector, embed_dtype, endianness)
         kind = str(vector.dtype) if vector.dtype in (np.int8, np.uint8) else embed_dtype
-        items.append({"index": index, "embed_dtype": kind, "endianness": endianness, "start": offset,
-                      "end": offset + len(raw), "shape": list(np.shape(vector))})  # fmt: skip
+        items.append(
+            {
+                "index": index,
+                "embed_dtype": kind,
+                "endianness": endianness,
+                "start": offset,
+                "end": offset + len(raw),
+                "shape": list(np.shape(vector)),
+            }
+        )
         body.append(raw)
         offset += len(raw)
     headers = None

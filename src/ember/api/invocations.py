@@ -11,18 +11,18 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from ember.api.routes import context, embeddings, require_api_key
+from ember.api.routes import context, embeddings
 from ember.api.schemas import EmbeddingRequest, RerankRequest, ScoreRequest
 from ember.api.scoring import rerank, score
 from ember.errors import InputError
 
 __all__ = ["invocations"]
 
-invocations = APIRouter(dependencies=[Depends(require_api_key)])
+invocations = APIRouter()
 
 Handler = Callable[[Any, Request], Awaitable[Response]]
 

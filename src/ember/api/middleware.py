@@ -42,12 +42,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 """A client's X-Request-Id is used when it is this plain (no spaces, quotes or control characters that could forge
 access-log fields); otherwise the server makes its own."""
 
-_KNOWN_PATHS = {
-    "/v1/embeddings", "/embeddings", "/pooling", "/tokenize", "/detokenize", "/v1/models", "/health", "/ping",
-    "/version", "/info", "/metrics", "/docs", "/openapi.json",
-    "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/v2/embed", "/invocations", "/embed_sparse",
-}  # fmt: skip
-
 SLICE_BYTES = 256 * 1024
 """An answer larger than this is written in slices of it, each after the client took the one before."""
 
@@ -88,8 +82,9 @@ def route_path(scope: Scope) -> str:
 def printable(text: str) -> str:
     """`text` with spaces, control and non-ASCII characters escaped (\\xNN, \\uNNNN): one access-log field that no
     path can split or forge."""
-    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii") if m.group() != " "
-                            else "\\x20", text)  # fmt: skip
+    return _UNPRINTABLE.sub(
+        lambda m: m.group().encode("unicode_escape").decode("ascii") if m.group() != " " else "\\x20", text
+    )
 
 
 def key_matches(authorization: str, x_api_key: str, keys: Collection[str]) -> bool:
@@ -106,9 +101,25 @@ class PayloadTooLarge(HTTPException):
 class TooManyValues(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(
-            413, f"request body holds more JSON values than this server takes in one request ({limit}, from "
+            413,
+            f"request body holds more JSON values than this server takes in one request ({limit}, from "
             "--max-queued-tokens and --max-inputs-per-request): send its inputs in smaller requests",
-        )  # fmt: skip
+        )
+
+
+def _prepare(scope: Scope) -> tuple[dict[bytes, bytes], str]:
+    """The request's headers and id (the client's X-Request-Id when plain, else a new one, kept in its state);
+    /path/ read as /path and a POST body read as JSON whatever its content type (`curl -d` sends a form type)."""
+    if len(scope["path"]) > 1 and scope["path"].endswith("/"):
+        scope["path"] = scope["path"].rstrip("/") or "/"
+    headers = dict(scope["headers"])
+    if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope["headers"].append((b"content-type", b"application/json"))
+    given = headers.get(b"x-request-id", b"").decode("latin-1")
+    request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    scope.setdefault("state", {})["request_id"] = request_id
+    return headers, request_id
 
 
 class EdgeMiddleware:
@@ -122,8 +133,11 @@ class EdgeMiddleware:
         max_body_values: int | None = None,
         hold_answer: Callable[[int], Callable[[], None]] | None = None,
         tracing: Tracing | None = None,
+        endpoints: Collection[str] = (),
     ) -> None:
         self.app = app
+        self.endpoints = frozenset(endpoints)
+        """The app's routes: metrics are labelled by route, anything else as "other"."""
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_body_values = max_body_values
@@ -137,18 +151,8 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.monotonic()
-        if len(scope["path"]) > 1 and scope["path"].endswith("/"):
-            scope["path"] = scope["path"].rstrip("/") or "/"
-        route = route_path(scope)
-        headers = dict(scope["headers"])
-        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
-            # `curl -d` sends a form type; every ember body is JSON, so read it as such
-            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope["headers"].append((b"content-type", b"application/json"))
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id
+        headers, request_id = _prepare(scope)
+        route, state = route_path(scope), scope["state"]
         status, started, body_cut, responded = 500, False, False, start
         limit = self.max_body_bytes
         declared = headers.get(b"content-length", b"0")
@@ -166,8 +170,11 @@ class EdgeMiddleware:
             nonlocal status, started, responded
             if message["type"] == "http.response.start":
                 status, started, responded = message["status"], True, time.monotonic()
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1")),
-                                      *timing_headers(state, start, responded)]  # fmt: skip
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode("latin-1")),
+                    *timing_headers(state, start, responded),
+                ]
             if message["type"] == "http.response.body" and len(message.get("body", b"")) > SLICE_BYTES:
                 await self._send_sliced(send, message)
             else:
@@ -203,8 +210,13 @@ class EdgeMiddleware:
             more = message.get("more_body", False)
             for at in range(0, len(body), SLICE_BYTES):
                 last = at + SLICE_BYTES >= len(body)
-                await send({"type": "http.response.body", "body": bytes(body[at : at + SLICE_BYTES]),
-                            "more_body": more or not last})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": bytes(body[at : at + SLICE_BYTES]),
+                        "more_body": more or not last,
+                    }
+                )
         finally:
             if release is not None:
                 release()
@@ -215,24 +227,31 @@ class EdgeMiddleware:
 
     def _record(self, scope: Scope, status: int, seconds: float, request_id: str) -> None:
         path = route_path(scope)
-        endpoint = path if path in _KNOWN_PATHS else "other"
+        endpoint = path if path in self.endpoints else "other"
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.latency.labels(endpoint).observe(seconds)
         state: dict[str, Any] = scope.get("state", {})
         if endpoint in ("/metrics", "/health", "/ping"):
             return  # probes and scrapes would drown the access log
         fields = {
-            "client": (scope.get("client") or ("-",))[0], "method": printable(scope["method"]),
-            "route": printable(path), "status": status, "request_id": request_id, "model": state.get("model"),
-            "tokens": state.get("tokens", 0), "total_ms": round(seconds * 1000, 1),
+            "client": (scope.get("client") or ("-",))[0],
+            "method": printable(scope["method"]),
+            "route": printable(path),
+            "status": status,
+            "request_id": request_id,
+            "model": state.get("model"),
+            "tokens": state.get("tokens", 0),
+            "total_ms": round(seconds * 1000, 1),
             "tokenize_ms": round(state.get("tokenize_seconds", 0.0) * 1000, 1),
             "queue_ms": round(state.get("queue_seconds", 0.0) * 1000, 1),
             "inference_ms": round(state.get("inference_seconds", 0.0) * 1000, 1),
-        }  # fmt: skip
+        }
         access_log.info(
             '%(client)s "%(method)s %(route)s" %(status)d id=%(request_id)s total=%(total_ms).1fms '
-            "queue=%(queue_ms).1fms inference=%(inference_ms).1fms tokens=%(tokens)d", fields, extra=fields,
-        )  # fmt: skip
+            "queue=%(queue_ms).1fms inference=%(inference_ms).1fms tokens=%(tokens)d",
+            fields,
+            extra=fields,
+        )
 
 
 def _refuse(limit: int) -> Receive:

@@ -45,15 +45,19 @@ _SECURITY = {
     "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "`x-api-key: <key>`"},
 }
 TAGS = {
-    "embeddings": ("Vectors for texts: OpenAI's, vLLM's, Cohere's and the sparse routes",
-                   ("/v1/embeddings", "/embeddings", "/pooling", "/v2/embed", "/embed_sparse")),
-    "rerank and score": ("Relevance of documents to a query: Jina/Cohere rerank and vLLM's score",
-                         ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score")),
+    "embeddings": (
+        "Vectors for texts: OpenAI's, vLLM's, Cohere's and the sparse routes",
+        ("/v1/embeddings", "/embeddings", "/pooling", "/v2/embed", "/embed_sparse"),
+    ),
+    "rerank and score": (
+        "Relevance of documents to a query: Jina/Cohere rerank and vLLM's score",
+        ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"),
+    ),
     "tokens": ("The model's tokenizer", ("/tokenize", "/detokenize")),
     "models": ("What this server serves", ("/v1/models", "/info", "/version")),
     "SageMaker": ("Amazon SageMaker's single route, for every kind of request", ("/invocations",)),
     "operations": ("Probes and metrics (never behind the API key)", ("/health", "/ping", "/metrics")),
-}  # fmt: skip
+}
 """The tags the document groups routes under: a description, and their paths."""
 _TAG_OF = {path: tag for tag, (_, paths) in TAGS.items() for path in paths}
 
@@ -89,8 +93,10 @@ def _fix(schema: dict[str, Any]) -> None:
                 op["security"] = [{"bearer": []}, {"apiKey": []}]
     invocations = schema["paths"].get("/invocations", {}).get("post")
     if invocations is not None:
-        refs = [{"$ref": f"#/components/schemas/{kind.__name__}"} for kind in (EmbeddingRequest, RerankRequest,
-                                                                               ScoreRequest)]  # fmt: skip
+        refs = [
+            {"$ref": f"#/components/schemas/{kind.__name__}"}
+            for kind in (EmbeddingRequest, RerankRequest, ScoreRequest)
+        ]
         invocations["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"oneOf": refs}}}}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from ember.api.responses import JSONBytes
 from ember.api.routes import (
@@ -15,7 +15,6 @@ from ember.api.routes import (
     engine_call,
     envelope,
     input_count,
-    require_api_key,
     vectors_response,
 )
 from ember.api.schemas import REMOVED_TASKS, PoolingRequest, PoolingResponse, PoolingTask
@@ -26,16 +25,13 @@ from ember.types import ModelInfo, Output
 
 __all__ = ["pooling", "pooling_tasks"]
 
-pooling = APIRouter(dependencies=[Depends(require_api_key)])
+pooling = APIRouter()
 
 
 def pooling_tasks(info: ModelInfo) -> tuple[str, ...]:
-    """The pooling tasks a model runs (none for a score model: it answers /score and /rerank)."""
-    if info.task != "embed":
-        return ()
-    if info.splade_strategy is not None:
-        return ("embed", "token_classify")
-    return ("embed", "token_embed", "token_classify") if info.token_heads else ("embed", "token_embed")
+    """The pooling tasks a model runs, as its head declares them (none for a score model: it answers /score and
+    /rerank)."""
+    return info.head.outputs
 
 
 @pooling.post("/pooling", response_model=PoolingResponse)
@@ -65,8 +61,12 @@ async def _sparse_weights(request: Request, body: PoolingRequest) -> Response:
     """token_classify: per input, `sparse_embedding` (each distinct token's weight, ascending token id, the top_k
     largest when asked), and for bge-m3 vLLM's `data`: its sparse head's weight per token, without the first and
     last token. A SPLADE model has no weight per token, so its items carry `sparse_embedding` only."""
-    defaults = {"encoding_format": (None, "float"), "embedding_type": ("float",), "embed_dtype": ("float32",),
-                "endianness": ("native",)}  # fmt: skip
+    defaults = {
+        "encoding_format": (None, "float"),
+        "embedding_type": ("float",),
+        "embed_dtype": ("float32",),
+        "endianness": ("native",),
+    }
     for field, unset in defaults.items():
         if getattr(body, field) not in unset:
             raise InputError(f"token_classify answers with JSON numbers: leave {field} unset", field)

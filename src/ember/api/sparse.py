@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.api.responses import JSONBytes
-from ember.api.routes import check_count, context, engine_call, require_api_key
+from ember.api.routes import check_count, context, engine_call
 from ember.engine.engine import EmbedParams
 from ember.engine.lexical import lexical, sparse_output
 from ember.errors import InputError
@@ -25,7 +25,7 @@ from ember.tokenizer import Tokenizer
 
 __all__ = ["EmbedSparseRequest", "sparse", "token_entries", "top_lexical"]
 
-sparse = APIRouter(dependencies=[Depends(require_api_key)])
+sparse = APIRouter()
 
 
 class EmbedSparseRequest(BaseModel):
@@ -68,15 +68,22 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     engine = context(request).engine
     output = sparse_output(engine.info)
     if output is None:
-        raise InputError(f"this model ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
-                         "a sparse model (SPLADE, or bge-m3 with its sparse head)", "inputs")  # fmt: skip
+        raise InputError(
+            f"this model ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
+            "a sparse model (SPLADE, or bge-m3 with its sparse head)",
+            "inputs",
+        )
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
         raise InputError("`inputs` cannot be empty", "inputs")
     check_count(request, len(texts), "inputs")
     side: Literal["left", "right"] = "left" if body.truncation_direction.lower() == "left" else "right"
-    params = EmbedParams(truncate_prompt_tokens=-1 if body.truncate else None, truncation_side=side,
-                         prompt_name=body.prompt_name, output=output)  # fmt: skip
+    params = EmbedParams(
+        truncate_prompt_tokens=-1 if body.truncate else None,
+        truncation_side=side,
+        prompt_name=body.prompt_name,
+        output=output,
+    )
     _, result, _ = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(texts, params, timeout=timeout)
     )

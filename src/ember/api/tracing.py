@@ -74,16 +74,24 @@ class Tracing:
         def ns(t: float) -> int:
             return int(t * 1e9) + offset
 
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
-                   if k in (b"traceparent", b"tracestate")}  # fmt: skip
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items() if k in (b"traceparent", b"tracestate")
+        }
         state: dict[str, Any] = scope.get("state", {})
         route = scope["path"]
         root = self.tracer.start_span(
-            f"{scope['method']} {route}", context=self.propagator.extract(carrier), kind=SpanKind.SERVER,
+            f"{scope['method']} {route}",
+            context=self.propagator.extract(carrier),
+            kind=SpanKind.SERVER,
             start_time=ns(start),
-            attributes={"http.request.method": scope["method"], "http.route": route, "url.path": scope["path"],
-                        "http.response.status_code": status, "ember.request_id": str(state.get("request_id", ""))},
-        )  # fmt: skip
+            attributes={
+                "http.request.method": scope["method"],
+                "http.route": route,
+                "url.path": scope["path"],
+                "http.response.status_code": status,
+                "ember.request_id": str(state.get("request_id", "")),
+            },
+        )
         if status >= 500:
             root.set_status(Status(StatusCode.ERROR))
         if "inference_seconds" in state:
@@ -99,10 +107,12 @@ class Tracing:
         stages: list[tuple[str, float, float, dict[str, Any]]] = [
             ("tokenize", began, tokenized, {}),
             ("queue", tokenized, max(tokenized, first), {}),
-            *(("forward", b.start, b.end, {"ember.batch.sequences": b.sequences, "ember.batch.tokens": b.tokens})
-              for b in batches),
+            *(
+                ("forward", b.start, b.end, {"ember.batch.sequences": b.sequences, "ember.batch.tokens": b.tokens})
+                for b in batches
+            ),
             ("serialize", done, max(done, responded), {}),
-        ]  # fmt: skip
+        ]
         for name, t0, t1, attributes in stages:
             span = self.tracer.start_span(name, context=parent, start_time=ns(t0), attributes=attributes)
             span.end(end_time=ns(t1))

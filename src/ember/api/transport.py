@@ -45,8 +45,10 @@ class _Refusals:
         if now - self.last >= _WARN_EVERY:
             log.warning(
                 "closed %d connection(s) beyond --max-connections %d (the longest-waiting half-sent or idle ones "
-                "first)", self.count, limit,
-            )  # fmt: skip
+                "first)",
+                self.count,
+                limit,
+            )
             self.count, self.last = 0, now
 
 

@@ -71,8 +71,9 @@ def local(embedder: Any, **params: Any) -> Embed:
         dim = max(d.vectors.shape[1] for d in done)
         refused = {i * CHUNK + k: why for i, d in enumerate(done) for k, why in d.refused.items()}
         messages = {i * CHUNK + k: m for i, d in enumerate(done) for k, m in d.messages.items()}
-        vectors = np.concatenate([d.vectors if d.vectors.shape[1] == dim else np.zeros((len(d.vectors), dim),
-                                  np.float32) for d in done])  # fmt: skip
+        vectors = np.concatenate(
+            [d.vectors if d.vectors.shape[1] == dim else np.zeros((len(d.vectors), dim), np.float32) for d in done]
+        )
         tokens = [t for d in done for t in (d.tokens or [])]
         return Embedded(vectors, tokens, sum(d.total_tokens for d in done), refused, messages)
 

@@ -46,8 +46,10 @@ def check_inputs(job: EmbedJob) -> Inputs:
     for source in found:
         for column, flag in named:
             if column and column not in source.schema.names:
-                raise InputError(f"{source.path} has no column {column!r} ({flag}); its columns: "
-                                 f"{', '.join(source.schema.names)}", "input")  # fmt: skip
+                raise InputError(
+                    f"{source.path} has no column {column!r} ({flag}); its columns: {', '.join(source.schema.names)}",
+                    "input",
+                )
     return Inputs(files, _id_type(found, job.id_column))
 
 
@@ -60,8 +62,11 @@ def _id_type(found: list[Source], column: str | None) -> pa.DataType | None:
         return next(iter(distinct), pa.string())
     if all(pa.types.is_integer(t) for t in distinct):
         return pa.int64()
-    log.warning("--id-column %r holds %s: every id is written as a string", column,
-                ", ".join(f"{t} in {p.name}" for p, t in list(types.items())[:4]))  # fmt: skip
+    log.warning(
+        "--id-column %r holds %s: every id is written as a string",
+        column,
+        ", ".join(f"{t} in {p.name}" for p, t in list(types.items())[:4]),
+    )
     return pa.string()
 
 
@@ -92,8 +97,10 @@ def _with_id_type(batch: pa.RecordBatch, column: str | None, kind: pa.DataType |
 def _unify(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
     """Batches of files whose inferred schemas differ (a column null in one file, text in another) as one schema."""
     schema = pa.unify_schemas([b.schema for b in batches], promote_options="permissive")
-    return [pa.Table.from_batches([b]).cast(schema, safe=False).to_batches()[0] if b.schema != schema else b
-            for b in batches]  # fmt: skip
+    return [
+        pa.Table.from_batches([b]).cast(schema, safe=False).to_batches()[0] if b.schema != schema else b
+        for b in batches
+    ]
 
 
 def digest(table: pa.Table, job: EmbedJob, start: int, stop: int) -> str:

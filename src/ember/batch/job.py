@@ -103,9 +103,15 @@ class JobSummary:
 
 
 def _signature(job: EmbedJob) -> str:
-    fields = {"inputs": list(job.inputs), "text_column": job.text_column, "id_column": job.id_column,
-              "keep_columns": list(job.keep_columns), "part_rows": job.part_rows, "options": job.options,
-              "format": job.format}  # fmt: skip
+    fields = {
+        "inputs": list(job.inputs),
+        "text_column": job.text_column,
+        "id_column": job.id_column,
+        "keep_columns": list(job.keep_columns),
+        "part_rows": job.part_rows,
+        "options": job.options,
+        "format": job.format,
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -178,19 +184,26 @@ def _count(summary: JobSummary, done: Rows) -> None:
 
 
 def _write_file(
-    run: _Run, part: tuple[int, int, pa.Table], offset: int, end: int, kept: list[int],
-    vectors: np.ndarray | None, tokens: list[int | None], skipped: Counter[str],
-) -> None:  # fmt: skip
+    run: _Run,
+    part: tuple[int, int, pa.Table],
+    offset: int,
+    end: int,
+    kept: list[int],
+    vectors: np.ndarray | None,
+    tokens: list[int | None],
+    skipped: Counter[str],
+) -> None:
     """Rows [offset, end) of a part as one Parquet file (whole or absent), then its line in the manifest."""
     index, first, table = part
     job, rows = run.job, pa.array(kept, pa.int64())
     flat = vectors.reshape(-1) if vectors is not None else np.zeros(0, np.float32)
     columns = {
-        "id": table.column(job.id_column).take(rows) if job.id_column else pa.array(
-            [first + r for r in kept], pa.int64()),
+        "id": table.column(job.id_column).take(rows)
+        if job.id_column
+        else pa.array([first + r for r in kept], pa.int64()),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), run.dim),
         "tokens": pa.array(tokens, pa.int32()),
-    }  # fmt: skip
+    }
     for name in job.keep_columns:
         columns[name] = table.column(name).take(rows)
     name = f"part-{index:05d}" + (f"_{offset:06d}" if offset else "")
@@ -201,9 +214,17 @@ def _write_file(
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)  # whole or absent
-    run.manifest.record({"part": index, "offset": offset, "first_row": first + offset, "rows": end - offset,
-                         "written": len(kept), "skipped": dict(skipped),
-                         "digest": digest(table, job, offset, end)})  # fmt: skip
+    run.manifest.record(
+        {
+            "part": index,
+            "offset": offset,
+            "first_row": first + offset,
+            "rows": end - offset,
+            "written": len(kept),
+            "skipped": dict(skipped),
+            "digest": digest(table, job, offset, end),
+        }
+    )
     run.summary.skipped += skipped
     run.summary.parts_written += 1
 
@@ -248,8 +269,10 @@ def _output_errors(out: Path) -> Iterator[None]:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
             raise
         advice = "free space and" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions and"
-        raise ConfigError(f"cannot write to {out}: {e.strerror}; the parts already written are kept: {advice} run "
-                          "the same command again") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot write to {out}: {e.strerror}; the parts already written are kept: {advice} run "
+            "the same command again"
+        ) from None
 
 
 def run_job(
@@ -301,7 +324,8 @@ def _run_parts(run: _Run, inputs: Inputs) -> None:
     if job.id_column:
         summary.duplicate_ids = duplicate_ids(pq.read_table(f, columns=["id"]) for f in files)[0]
         if summary.duplicate_ids:
-            log.warning("%d rows repeat an earlier row's id (--unique-ids refuses such an input)",
-                        summary.duplicate_ids)  # fmt: skip
+            log.warning(
+                "%d rows repeat an earlier row's id (--unique-ids refuses such an input)", summary.duplicate_ids
+            )
     if job.format == "npy":
         assemble(run.out, run.dim, run.manifest.record)

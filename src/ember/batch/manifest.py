@@ -104,8 +104,9 @@ def lock_output(out: Path) -> Any:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise ConfigError(f"{out} is being written by another ember embed ({holder}): wait for it, or choose "
-                          "another output directory") from None  # fmt: skip
+        raise ConfigError(
+            f"{out} is being written by another ember embed ({holder}): wait for it, or choose another output directory"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}")

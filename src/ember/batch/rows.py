@@ -57,9 +57,15 @@ def embed_rows(embed: Embed, texts: list[str], cache: VectorCache | None, memo: 
     done = [d for i in kept if not isinstance(d := memo[texts[i]], str)]
     vectors = np.stack([d[0] for d in done]) if done else np.zeros((0, dim), np.float32)
     hit_texts = {distinct[j] for j in hits}
-    return Rows(kept, vectors.reshape(len(kept), dim), [d[1] for d in done],
-                 Counter(str(memo[t]) for t in texts if isinstance(memo[t], str)), len(misses),
-                 sum(1 for i in kept if texts[i] in hit_texts), result.total_tokens)  # fmt: skip
+    return Rows(
+        kept,
+        vectors.reshape(len(kept), dim),
+        [d[1] for d in done],
+        Counter(str(memo[t]) for t in texts if isinstance(memo[t], str)),
+        len(misses),
+        sum(1 for i in kept if texts[i] in hit_texts),
+        result.total_tokens,
+    )
 
 
 def fit_texts(job: EmbedJob, texts: list[str], skipped: Counter[str]) -> tuple[list[int], list[str]]:

@@ -136,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     unknown = [k for k in keys if k not in WORKLOADS]
     if unknown:
-        print(f"ember bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"ember bench: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         return _run(args, keys)
@@ -191,8 +193,10 @@ def _run(args: argparse.Namespace, keys: list[str]) -> int:
             raise BenchError(f"{key}: {e}") from None
         results.append(result)
         if not args.json:
-            print(f"{result.workload:55s} {result.tokens_per_s:9.1f} tok/s  p50 {result.p50_ms:8.1f} ms  "
-                  f"p99 {result.p99_ms:8.1f} ms")  # fmt: skip
+            print(
+                f"{result.workload:55s} {result.tokens_per_s:9.1f} tok/s  p50 {result.p50_ms:8.1f} ms  "
+                f"p99 {result.p99_ms:8.1f} ms"
+            )
     if args.json:
         print(json.dumps([asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results], indent=2))
     return 0

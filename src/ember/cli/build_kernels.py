@@ -29,10 +29,13 @@ def add_parser(sub: Any) -> None:
         "--cache-dir", default=None, help="where to put them (default: EMBER_CACHE_DIR, else ~/.cache/ember)"
     )
     p.add_argument(
-        "--tier", action="append", default=None, choices=["amx", "avx512_bf16", "avx512", "avx2", "aarch64"],
+        "--tier",
+        action="append",
+        default=None,
+        choices=["amx", "avx512_bf16", "avx512", "avx2", "aarch64"],
         help="a CPU tier to build for; repeat for several (default: every tier of this machine's architecture: the "
         "four x86-64 ones, or aarch64; avx512, avx2 and aarch64 build attention only)",
-    )  # fmt: skip
+    )
     p.set_defaults(run=run)
 
 

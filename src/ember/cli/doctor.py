@@ -8,10 +8,10 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ember.cli.flags import parse_json_flag, parse_size
-from ember.cli.runtime import maybe_reexec_with_allocator, native_config, parse_bytes, prepare_process
+from ember.cli.model_flags import add_model_flags, model_config
+from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
 from ember.hardware import amx_granted, auto_dtype, cpu_flags, has_fast_bf16, isa_tier, usable_cpu_flags
 from ember.resources import cpu_budget, memory_budget
@@ -25,14 +25,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "doctor", allow_abbrev=False, help="report CPU, limits, threads, dtype and what a model needs here"
     )
-    p.add_argument("model", nargs="?", default=None, help="model to size (default: the bundled MiniLM)")
-    p.add_argument("--dtype", default="auto", help="as ember serve: auto, float32, bfloat16 or int8")
-    p.add_argument("--max-model-len", type=parse_size, default=None)
-    p.add_argument("--quantization", default=None, choices=["int8"])
-    p.add_argument("--hf-overrides", default=None)
+    add_model_flags(p)  # every model flag `ember serve` takes, so doctor plans exactly what serve would
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-bind", default=None)
-    p.add_argument("--memory-limit", default=None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -127,28 +122,18 @@ def _dtype_warning(gflops: dict[str, float]) -> str | None:
 
 
 def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]:
-    from ember.config import ModelConfig, check_dtype
     from ember.engine.build import plan
     from ember.sizing import flops_per_token
 
-    quantization: Literal["int8"] | None = "int8" if args.quantization or args.dtype == "int8" else None
-    p = plan(
-        ModelConfig(
-            args.model,
-            dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
-            quantization=quantization,
-            max_model_len=args.max_model_len,
-            hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
-            memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-        )
-    )
+    config = model_config(args)
+    p = plan(config)
     per_token = flops_per_token(p.hf_config, 512, p.cls.is_decoder)
     rate = gflops["bfloat16" if p.dtype.itemsize == 2 else "float32"]
     return {
         "path": str(p.path),
         "architecture": p.architecture,
         "task": p.cls.task,
-        "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if quantization else ""),
+        "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if config.quantization else ""),
         "max_model_len": p.max_model_len,
         "weights_bytes": p.memory.weights_bytes,
         "memory_plan": p.memory.describe(),

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ember.cli.flags import parse_json_flag, parse_size
+from ember.cli.model_flags import add_model_flags, model_config, truncate
 from ember.cli.runtime import isa_env, max_isa, maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
 
@@ -26,31 +26,35 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("embed", allow_abbrev=False, help="embed files (JSONL, CSV/TSV, Parquet, text) into Parquet")
     p.add_argument("inputs", nargs="+", help="files, directories of parts, or globs")
     p.add_argument("-o", "--output", required=True, help="output directory (Parquet parts and a manifest)")
-    p.add_argument("--model", default=None, help="local directory or hub id (default: the bundled MiniLM)")
     p.add_argument("--text-column", default="text", help="the column holding the text (default: text)")
     p.add_argument("--id-column", default=None, help="a column kept as `id` (default: the row number)")
     p.add_argument("--keep-columns", nargs="+", default=[], help="other input columns copied to the output")
     p.add_argument("--prompt-name", default=None, help="a prompt of the model's, e.g. query (Qwen3)")
     p.add_argument("--dimensions", type=int, default=None, help="Matryoshka truncation")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="L2-normalise")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8"])
-    p.add_argument("--max-model-len", type=parse_size, default=None)
-    p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON (e.g. chunked processing)")
-    p.add_argument("--hf-overrides", default=None)
-    p.add_argument("--truncate", action="store_true", help="truncate over-long documents instead of skipping them")
+    add_model_flags(p, positional=False)  # every model flag `ember serve` takes (--truncate: cut, not skipped)
     p.add_argument("--part-rows", type=int, default=10_000, help="rows per output part (the unit of resume)")
     p.add_argument("--format", default="parquet", choices=["parquet", "npy"], help="npy: embeddings.npy + ids.parquet")
     p.add_argument("--overwrite", action="store_true", help="start over, deleting the parts of an earlier run")
-    p.add_argument("--unique-ids", action="store_true", help="refuse an input whose --id-column repeats a value "
-                   "(checked before any work; without it, repeats are counted and reported)")  # fmt: skip
+    p.add_argument(
+        "--unique-ids",
+        action="store_true",
+        help="refuse an input whose --id-column repeats a value "
+        "(checked before any work; without it, repeats are counted and reported)",
+    )
     p.add_argument("--cache", default=None, metavar="DIR", help="keep vectors by text: unchanged texts are not re-run")
     p.add_argument("--url", action="append", default=[], help="embed on this running server (repeat to spread)")
     p.add_argument("--api-key", default=None, help="bearer token for --url (default: $EMBER_API_KEY, $OPENAI_API_KEY)")
     p.add_argument("--batch-size", type=int, default=None, help="texts per --url request (32) or --ray batch (256)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per --url")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="on a Ray cluster (ADDRESS, $RAY_ADDRESS, or a new local one); needs --id-column")  # fmt: skip
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="on a Ray cluster (ADDRESS, $RAY_ADDRESS, or a new local one); needs --id-column",
+    )
     p.add_argument("--actors", type=int, default=None, help="with --ray: model copies (default: as the CPUs hold)")
     p.add_argument("--cpus-per-actor", type=int, default=None, help="with --ray: threads each (min(4, CPUs))")
     p.add_argument("--threads", type=int, default=None)
@@ -71,14 +75,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"ember embed: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ember embed: stopped at once; the rows written so far are kept: run the same command again to "
-              "continue", file=sys.stderr)  # fmt: skip
+        print(
+            "ember embed: stopped at once; the rows written so far are kept: run the same command again to continue",
+            file=sys.stderr,
+        )
         return 130
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "dtype", "quantization", "max_model_len", "pooler_config", "hf_overrides", "prompt_name",
-            "dimensions", "normalize", "truncate")  # fmt: skip
+    keys = (
+        "model",
+        "dtype",
+        "quantization",
+        "max_model_len",
+        "pooler_config",
+        "hf_overrides",
+        "prompt_name",
+        "dimensions",
+        "normalize",
+        "truncate",
+    )
     return {k: getattr(args, k) for k in keys}
 
 
@@ -93,15 +109,18 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int
         from ember.batch.remote import RemoteEmbedder
 
         key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        remote = RemoteEmbedder(args.url, args.model, api_key=key, batch_size=args.batch_size or 32,
-                                concurrency=args.concurrency, **params)  # fmt: skip
+        remote = RemoteEmbedder(
+            args.url, args.model, api_key=key, batch_size=args.batch_size or 32, concurrency=args.concurrency, **params
+        )
         return remote, remote.model, remote.close, None
     from ember.offline import Embedder
 
-    embedder = Embedder(args.model, threads=threads, native=native_config(), **_model_options(args))
+    embedder = Embedder(threads=threads, native=native_config(), **_model_options(args))
     if embedder.info.task != "embed":
-        raise EmberError(f"{args.model} is a {embedder.info.task} model ({embedder.info.architecture}): ember embed "
-                         "needs an embedding model (--model)")  # fmt: skip
+        info = embedder.info
+        raise EmberError(
+            f"{info.name} is a {info.task} model ({info.architecture}): ember embed needs an embedding model (--model)"
+        )
     return local(embedder, **params), model_fingerprint(embedder.path), None, _longest_text(embedder)
 
 
@@ -126,10 +145,9 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`ember.Embedder`'s keywords for how the model is loaded and run (here, or in each Ray actor)."""
-    return {"dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len,
-            "pooler_config": args.pooler_config, "hf_overrides": parse_json_flag(args.hf_overrides, "--hf-overrides"),
-            "auto_truncate": args.truncate, "enforce_eager": args.enforce_eager}  # fmt: skip
+    """`ember.Embedder`'s keywords for how the model is loaded and run (here, or in each Ray actor): the model flags'
+    ModelConfig, as `ember serve` builds it."""
+    return {"config": model_config(args), "auto_truncate": truncate(args), "enforce_eager": args.enforce_eager}
 
 
 def _job(args: argparse.Namespace, max_text_bytes: int | None = None) -> Any:
@@ -137,10 +155,18 @@ def _job(args: argparse.Namespace, max_text_bytes: int | None = None) -> Any:
     from ember.batch.job import EmbedJob
 
     return EmbedJob(
-        tuple(args.inputs), args.output, args.text_column, args.id_column, tuple(args.keep_columns),
-        args.part_rows, args.overwrite, args.format, _options(args),
-        min(MAX_LINE_BYTES, max_text_bytes or MAX_LINE_BYTES), args.unique_ids,
-    )  # fmt: skip
+        tuple(args.inputs),
+        args.output,
+        args.text_column,
+        args.id_column,
+        tuple(args.keep_columns),
+        args.part_rows,
+        args.overwrite,
+        args.format,
+        _options(args),
+        min(MAX_LINE_BYTES, max_text_bytes or MAX_LINE_BYTES),
+        args.unique_ids,
+    )
 
 
 def _embed(args: argparse.Namespace, threads: int) -> int:
@@ -168,7 +194,7 @@ def _embed(args: argparse.Namespace, threads: int) -> int:
 def ray_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     """The actors' EmberEmbedder keywords and the workers' environment: the operator's EMBER_* and HF_* settings,
     and with EMBER_MAX_ISA the cap (each actor caps itself as `ember serve` does) and torch's limits for it."""
-    embedder = {"model": args.model, **_params(args), **_model_options(args)}
+    embedder = {**_params(args), **_model_options(args)}
     env = {k: v for k, v in os.environ.items() if k.startswith(("EMBER_", "HF_"))}
     tier = max_isa()
     if tier is not None:
@@ -186,12 +212,21 @@ def _on_ray(args: argparse.Namespace) -> int:
     except ImportError:
         raise EmberError("--ray needs Ray: pip install 'ember[ray]'") from None
     if args.ray and _looks_like_input(args.ray):
-        raise EmberError(f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or name the "
-                         "address (--ray auto, --ray HOST:PORT, --ray ray://HOST:10001)")  # fmt: skip
+        raise EmberError(
+            f"--ray took {args.ray!r} as the cluster's address: put --ray after the inputs, or name the "
+            "address (--ray auto, --ray HOST:PORT, --ray ray://HOST:10001)"
+        )
     embedder, env = ray_settings(args)
     try:
-        summary = run_on_ray(_job(args), embedder, address=args.ray, env=env, actors=args.actors,
-                             cpus_per_actor=args.cpus_per_actor, batch_size=args.batch_size or 256)  # fmt: skip
+        summary = run_on_ray(
+            _job(args),
+            embedder,
+            address=args.ray,
+            env=env,
+            actors=args.actors,
+            cpus_per_actor=args.cpus_per_actor,
+            batch_size=args.batch_size or 256,
+        )
     except EmberError:
         raise
     except Exception as e:  # Ray's own failures (no cluster at that address, a task that failed for good)
@@ -214,9 +249,19 @@ def _looks_like_input(value: str) -> bool:
 def _report(summary: Any) -> int:
     """The summary line on stderr, the same as JSON on stdout; exit status 130 when interrupted."""
     print(summary.line(), file=sys.stderr)
-    print(json.dumps({"documents": summary.documents, "embedded": summary.embedded, "cached": summary.cached,
-                      "tokens": summary.tokens, "seconds": round(summary.seconds, 3),
-                      "skipped": dict(summary.skipped), "interrupted": summary.interrupted}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "documents": summary.documents,
+                "embedded": summary.embedded,
+                "cached": summary.cached,
+                "tokens": summary.tokens,
+                "seconds": round(summary.seconds, 3),
+                "skipped": dict(summary.skipped),
+                "interrupted": summary.interrupted,
+            }
+        )
+    )
     return 130 if summary.interrupted else 0
 
 

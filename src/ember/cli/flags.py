@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any
 
+from ember.cli.fields import add_field_flag, field_default
 from ember.cli.frontend import add_frontend_flags
-from ember.config import DEFAULT_BATCH_TOKENS, parse_json_object
+from ember.cli.model_flags import add_model_flags
+from ember.config import EngineConfig, ServerConfig
 from ember.errors import ConfigError
 
 __all__ = [
@@ -23,8 +24,6 @@ __all__ = [
     "max_inputs_per_request",
     "otel_service_name",
     "otlp_endpoint",
-    "parse_json_flag",
-    "parse_size",
     "warn_ignored",
 ]
 
@@ -53,31 +52,19 @@ IGNORED_FLAGS: dict[str, str] = {
     "--uvicorn-log-level": "use --log-level",
 }
 _IGNORED_SWITCHES = {
-    "--enable-prefix-caching", "--disable-log-requests", "--enable-log-requests",
-    "--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code", "--enable-chunked-prefill",
+    "--enable-prefix-caching",
+    "--disable-log-requests",
+    "--enable-log-requests",
+    "--disable-log-stats",
+    "--disable-uvicorn-access-log",
+    "--trust-remote-code",
+    "--enable-chunked-prefill",
     "--disable-frontend-multiprocessing",
-}  # fmt: skip
-
-
-def parse_size(value: str) -> int:
-    """A count with vLLM's suffixes: k/m/g are powers of 1000, K/M/G powers of 1024 (`8k` = 8000, `8K` = 8192)."""
-    text = value.strip()
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a count (e.g. 8192, 8k, 8K)") from None
-
-
-def parse_json_flag(raw: str | None, flag: str) -> dict[str, Any] | None:
-    return None if raw is None else parse_json_object(raw, flag)
+}
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, help="model: local directory or hub id")
-    p.add_argument("--model", default=None, help="same as the positional model (vLLM)")
-    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
-    p.add_argument("--download-dir", default=None, help="Hugging Face cache directory for hub downloads")
+    add_model_flags(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -86,28 +73,20 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         help="an accepted key (Authorization: Bearer or x-api-key); repeat the flag for several",
     )
-    p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use; first is reported")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 (float16/half run as bfloat16) or int8")
-    p.add_argument(
-        "--quantization", "-q", default=None, choices=["int8"], help="int8 weights, dynamic int8 activations"
-    )
-    p.add_argument("--max-model-len", type=parse_size, default=None, help="longest input in tokens")
     _add_limit_flags(p)
-    p.add_argument("--pooler-config", default=None, help="vLLM PoolerConfig JSON")
-    p.add_argument("--truncate", action="store_true", help="truncate over-long inputs instead of refusing them")
     p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="never torch.compile the fused elementwise regions (by default they are built in the background after "
         "start-up); ember's native kernels are governed by EMBER_NATIVE_* instead",
     )
-    p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
-    p.add_argument("--hf-overrides", default=None, help='JSON merged into config.json, e.g. {"is_matryoshka": true}')
     p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])
     p.add_argument(
-        "--convert", default="auto", choices=["auto", "none", "embed", "score", "classify", "reward"],
+        "--convert",
+        default="auto",
+        choices=["auto", "none", "embed", "score", "classify", "reward"],
         help="accepted for vLLM compatibility: the checkpoint decides embed (a vector per input) or score (pairs)",
-    )  # fmt: skip
+    )
     p.add_argument("--task", default=None, help="deprecated vLLM flag; embed, embedding, score and rerank accepted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument(
@@ -117,9 +96,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="compute threads (default: EMBER_THREADS, OMP_NUM_THREADS, else usable CPUs)",
     )
     p.add_argument("--cpu-bind", default=None, help="auto, nobind or a CPU list like 0-3 (VLLM_CPU_OMP_THREADS_BIND)")
-    p.add_argument(
-        "--memory-limit", default=None, help="memory to plan for, e.g. 4Gi (default: cgroup limit, else MemAvailable)"
-    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_frontend_flags(p)
     for flag in IGNORED_FLAGS:
@@ -131,7 +107,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 def max_inputs_per_request(flag: int | None) -> int:
     """--max-inputs-per-request, else EMBER_MAX_INPUTS_PER_REQUEST, else 2048."""
-    return flag if flag is not None else _env_int("EMBER_MAX_INPUTS_PER_REQUEST", 2048)
+    default = field_default(ServerConfig, "max_inputs_per_request")
+    return flag if flag is not None else _env_int("EMBER_MAX_INPUTS_PER_REQUEST", default)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -148,29 +125,31 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """Batching, queueing and per-request limits."""
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
-    p.add_argument(
-        "--max-num-batched-tokens", type=parse_size, default=DEFAULT_BATCH_TOKENS, help="token budget of one batch"
+    """Batching, queueing and per-request limits: defaults and help from EngineConfig and ServerConfig."""
+    engine = {
+        "--max-num-seqs": "max_num_seqs",
+        "--max-queued-requests": "max_queued_requests",
+        "--max-queue-seconds": "max_queue_seconds",
+    }
+    for flag, name in engine.items():
+        value = field_default(EngineConfig, name)
+        add_field_flag(p, flag, EngineConfig, name, type=type(value), default=value)
+    wait_ms = 1000 * field_default(EngineConfig, "batch_wait_seconds")
+    add_field_flag(
+        p, "--batch-wait-ms", EngineConfig, "batch_wait_seconds", type=float, default=wait_ms, shown=f"{wait_ms:g} ms"
     )
-    p.add_argument(
-        "--batch-wait-ms", type=float, default=25.0, help="most a batch waits for more requests to join it (0: never)"
-    )
-    p.add_argument("--max-queued-requests", type=int, default=1024, help="requests queued before 429")
-    p.add_argument("--max-queued-tokens", type=parse_size, default=1_000_000, help="tokens queued before 429")
-    p.add_argument(
-        "--max-queue-seconds", type=float, default=10.0,
-        help="429 for a request whose estimated wait before it starts is longer (default 10)",
-    )  # fmt: skip
-    p.add_argument("--max-request-bytes", default="8M", help="largest request body before 413 (e.g. 8M, 20MB)")
-    p.add_argument(
+    add_field_flag(p, "--embedding-cache-size", EngineConfig, "cache_bytes", default="64M", shown="64M")
+    add_field_flag(p, "--max-request-bytes", ServerConfig, "max_request_bytes", shown="8M")
+    add_field_flag(
+        p,
         "--max-inputs-per-request",
+        ServerConfig,
+        "max_inputs_per_request",
         type=int,
-        default=None,
-        help="most inputs (texts, documents, pairs) in one request before 400 (default: "
-        "EMBER_MAX_INPUTS_PER_REQUEST, else 2048)",
+        shown="EMBER_MAX_INPUTS_PER_REQUEST, else 2048",
     )
-    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    grace = field_default(ServerConfig, "shutdown_grace_seconds")
+    add_field_flag(p, "--shutdown-grace", ServerConfig, "shutdown_grace_seconds", type=float, default=grace)
     p.add_argument(
         "--max-connections",
         type=int,
@@ -183,12 +162,6 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a request may take to arrive whole (headers and body), from its first byte, before its "
         "connection is closed",
-    )
-    p.add_argument(
-        "--embedding-cache-size",
-        default="64M",
-        help="bytes of pooled outputs kept by exact token ids, so repeated inputs skip the model (taken from the "
-        "answers' memory budget; 0: off)",
     )
     p.add_argument(
         "--http-write-timeout",
@@ -241,8 +214,10 @@ def api_keys(flag_keys: list[str]) -> tuple[str, ...]:
     """Keys from --api-key, else VLLM_API_KEY / EMBER_API_KEY (comma-separated allowed). An empty --api-key is
     refused: it reads as "require a key" but would let every request in."""
     if any(not k.strip() for k in flag_keys):
-        raise ConfigError("--api-key '' is empty: it would accept requests without a key; give a non-empty key, or "
-                          "leave --api-key out to serve without one")  # fmt: skip
+        raise ConfigError(
+            "--api-key '' is empty: it would accept requests without a key; give a non-empty key, or "
+            "leave --api-key out to serve without one"
+        )
     if flag_keys:
         return tuple(flag_keys)
     keys: list[str] = []

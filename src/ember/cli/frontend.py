@@ -24,8 +24,12 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (chain) file (PEM)")
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates against")
-    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
-                   help="client certificates: 0 none (default), 1 optional, 2 required (ssl.CERT_*)")  # fmt: skip
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        help="client certificates: 0 none (default), 1 optional, 2 required (ssl.CERT_*)",
+    )
     p.add_argument("--ssl-ciphers", default=None, help="OpenSSL cipher list for TLS 1.2 and below")
     p.add_argument("--root-path", default=None, help="the path prefix a proxy serves ember under (ASGI root_path)")
     p.add_argument("--allowed-origins", default=None, help='CORS: JSON list of origins, e.g. ["https://app.example"]')
@@ -33,17 +37,31 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of request headers (default all)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and Authorization")
     p.add_argument("--uds", default=None, help="serve on this unix domain socket instead of --host/--port")
-    p.add_argument("--enable-request-id-headers", action="store_true",
-                   help="accepted: ember always answers with X-Request-Id (the client's when plain)")  # fmt: skip
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="accepted: ember always answers with X-Request-Id (the client's when plain)",
+    )
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
-    p.add_argument("--otlp-traces-endpoint", "--otlp-endpoint", default=None,
-                   help="export a trace of each request to this OTLP/HTTP collector, e.g. http://otel-collector:4318 "
-                   "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; needs pip install 'ember[otel]')")  # fmt: skip
-    p.add_argument("--collect-detailed-traces", default=None,
-                   help="accepted (vLLM's): ember's traces always hold every stage of a request")  # fmt: skip
-    p.add_argument("--log-format", choices=("text", "json"), default="text",
-                   help="json: one JSON object per line (time, level, logger, message; access lines also request id, "
-                   "model, route, status, tokens and timings)")  # fmt: skip
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        "--otlp-endpoint",
+        default=None,
+        help="export a trace of each request to this OTLP/HTTP collector, e.g. http://otel-collector:4318 "
+        "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; needs pip install 'ember[otel]')",
+    )
+    p.add_argument(
+        "--collect-detailed-traces",
+        default=None,
+        help="accepted (vLLM's): ember's traces always hold every stage of a request",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="json: one JSON object per line (time, level, logger, message; access lines also request id, "
+        "model, route, status, tokens and timings)",
+    )
 
 
 @dataclass(frozen=True)
@@ -85,8 +103,12 @@ def frontend(args: argparse.Namespace) -> Frontend:
         raise ConfigError("--ssl-cert-reqs needs HTTPS: give --ssl-keyfile and --ssl-certfile")
     server: dict[str, Any] = {}
     if args.ssl_certfile:
-        server.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                      ssl_cert_reqs=args.ssl_cert_reqs)  # fmt: skip
+        server.update(
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+        )
         if args.ssl_ciphers:
             server["ssl_ciphers"] = args.ssl_ciphers
     if args.root_path:

@@ -11,9 +11,18 @@ import orjson
 __all__ = ["ACCESS_FIELDS", "JsonFormatter", "setup_logging"]
 
 ACCESS_FIELDS = (
-    "request_id", "model", "method", "route", "status", "tokens", "total_ms", "tokenize_ms", "queue_ms",
-    "inference_ms", "client",
-)  # fmt: skip
+    "request_id",
+    "model",
+    "method",
+    "route",
+    "status",
+    "tokens",
+    "total_ms",
+    "tokenize_ms",
+    "queue_ms",
+    "inference_ms",
+    "client",
+)
 """What an access line (logger ember.access) carries beside its message, as fields of its own in JSON. Never the
 inputs' text."""
 

@@ -126,9 +126,11 @@ def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:
         log.warning("misconfiguration: %s", warning)
     log.info(
         "threads: %d (%s)%s; allocator: %s",
-        plan.threads, plan.reason, f", bound to CPUs {list(plan.bind)}" if plan.bind else "",
+        plan.threads,
+        plan.reason,
+        f", bound to CPUs {list(plan.bind)}" if plan.bind else "",
         os.environ.get(_REEXEC_MARK, "system malloc"),
-    )  # fmt: skip
+    )
     return plan
 
 
@@ -152,8 +154,12 @@ def torch_cache_dir() -> str:
             continue
         if os.access(path, os.W_OK | os.X_OK):
             if path != candidates[0]:
-                log.warning("torch's cache directory %s is not writable: using %s (mount a writable /tmp, or set "
-                            "TORCHINDUCTOR_CACHE_DIR)", candidates[0], path)  # fmt: skip
+                log.warning(
+                    "torch's cache directory %s is not writable: using %s (mount a writable /tmp, or set "
+                    "TORCHINDUCTOR_CACHE_DIR)",
+                    candidates[0],
+                    path,
+                )
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
             return path
     raise ConfigError(

@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 
@@ -23,10 +23,10 @@ from ember.cli.flags import (
     max_inputs_per_request,
     otel_service_name,
     otlp_endpoint,
-    parse_json_flag,
     warn_ignored,
 )
 from ember.cli.logs import setup_logging
+from ember.cli.model_flags import model_config, truncate
 from ember.cli.runtime import (
     connection_limit,
     maybe_reexec_with_allocator,
@@ -34,12 +34,14 @@ from ember.cli.runtime import (
     parse_bytes,
     prepare_process,
 )
-from ember.config import EngineConfig, ModelConfig, PoolerConfig, ServerConfig, check_dtype
+from ember.config import EngineConfig, ServerConfig
 from ember.errors import EmberError
 
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("ember.cli")
+
+_REQUEST_BYTES = ServerConfig(("",)).max_request_bytes
 
 
 def add_parser(sub: Any) -> None:
@@ -57,26 +59,6 @@ def run(args: argparse.Namespace) -> int:
     except EmberError as e:
         log.error("%s", e)
         return 2
-
-
-def _model_config(args: argparse.Namespace) -> ModelConfig:
-    """What to load, from the flags (vLLM's names); the served name is decided here, once."""
-    model = args.model or args.model_tag
-    quantization: Literal["int8"] | None = "int8" if args.quantization or args.dtype == "int8" else None
-    return ModelConfig(
-        model,
-        served_name=(args.served_model_name or [None])[0],
-        revision=args.revision,
-        download_dir=args.download_dir,
-        dtype=check_dtype("auto" if args.dtype == "int8" else args.dtype),
-        quantization=quantization,
-        max_model_len=args.max_model_len,
-        hf_overrides=parse_json_flag(args.hf_overrides, "--hf-overrides"),
-        pooler=PoolerConfig.parse(args.pooler_config or args.override_pooler_config),
-        max_batch_tokens=args.max_num_batched_tokens,
-        max_queued_tokens=args.max_queued_tokens,
-        memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-    )
 
 
 def _compile_kernels(enforce_eager: bool) -> tuple[bool, str]:
@@ -101,7 +83,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
         max_queue_seconds=args.max_queue_seconds,
-        auto_truncate=args.truncate,
+        auto_truncate=truncate(args),
         batch_wait_seconds=args.batch_wait_ms / 1000,
         compile_kernels=compile_kernels,
         eager_reason=eager_reason,
@@ -114,7 +96,7 @@ def _server_config(args: argparse.Namespace, names: tuple[str, ...], path: str, 
         served_model_names=names,
         model_path=path,
         api_keys=api_keys(args.api_key),
-        max_request_bytes=parse_bytes(args.max_request_bytes),
+        max_request_bytes=parse_bytes(args.max_request_bytes) if args.max_request_bytes else _REQUEST_BYTES,
         max_inputs_per_request=max_inputs_per_request(args.max_inputs_per_request),
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=budget,
@@ -141,7 +123,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
 
         tracing = Tracing(endpoint, otel_service_name())
         log.info("tracing: each request's spans to %s", tracing.url)
-    config = _model_config(args)
+    config = model_config(args)
     # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:

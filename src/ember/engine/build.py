@@ -32,12 +32,9 @@ from ember.models.checkpoint import (
     release_mapped_pages,
     resolve_model,
 )
-from ember.models.classifier import activation, num_labels
-from ember.models.dense import Dense
-from ember.models.m3 import M3Heads
+from ember.models.heads import HeadContext
 from ember.models.registry import model_class
-from ember.models.splade import SPLADE_SLICE, SpladeModel
-from ember.models.st_modules import STModules, read_st_modules, resolve_pooling
+from ember.models.st_modules import STModules, read_st_modules
 from ember.ops.linear import hold_bf16, pack_linears, strip_f32
 from ember.ops.native import may_build
 from ember.ops.quant import int8_targets, quantize_int8
@@ -45,7 +42,7 @@ from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
 from ember.sizing import OUTPUT_VALUE_BYTES, MemoryPlan, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
-from ember.types import Activation, ModelInfo, PoolingSpec
+from ember.types import ModelInfo, PoolingSpec
 
 __all__ = ["Loaded", "ModelPlan", "build_engine", "load", "plan"]
 
@@ -67,8 +64,6 @@ class ModelPlan:
     dtype: torch.dtype
     max_model_len: int
     memory: MemoryPlan
-    activation: Activation = "identity"
-    """A score model's: what turns its logits into scores."""
 
     @property
     def name(self) -> str:
@@ -97,13 +92,7 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     st = read_st_modules(path)
     arch, cls = model_class(hf_config, sparse=st.splade_strategy is not None)
     hf_config = cls.standard_config(hf_config)
-    if cls is SpladeModel:
-        hf_config = {**hf_config, "splade_pooling_strategy": st.splade_strategy or "max"}
-        pooling = PoolingSpec("SPLADE", False, "modules.json" if st.splade_strategy else "architecture")
-    elif cls.task == "score":  # the classifier reads [CLS] (<s>) of an encoder, the last token of a decoder
-        pooling = PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")
-    else:
-        pooling = resolve_pooling(st, config.pooler, is_decoder=cls.is_decoder)
+    pooling = cls.head_pooling(st, config.pooler)
     dtype = torch_dtype(config.dtype)
     with torch.device("meta"):
         shape = cls.from_config(hf_config)  # weightless: sizes, positions and the int8 layers' count
@@ -116,35 +105,21 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
     if config.quantization == "int8":
         weights = int8_weights
     intermediate = hf_config.get("intermediate_size", 4 * shape.hidden_size)
-    output = hf_config["vocab_size"] if cls is SpladeModel else shape.hidden_size
-    head = 3 * 4 * SPLADE_SLICE * output if cls is SpladeModel else 0  # a slice's vocabulary logits, float32
+    answer_width, head_bytes = cls.head_memory(hf_config)
     memory_plan = plan_memory(
         memory or memory_budget(),
         weights_bytes=weights,
         per_token_bytes=activation_bytes_per_token(hf_config, size),
-        fixed_bytes=TOKEN_SLICE * size * 3 * intermediate + head,
+        fixed_bytes=TOKEN_SLICE * size * 3 * intermediate + head_bytes,
         max_model_len=max_model_len,
         batch_tokens=config.max_batch_tokens,
         queued_tokens=config.max_queued_tokens,
         limit_override=config.memory_limit,
         dtype_bytes=size,
-        dimension=output if cls.task == "embed" else 0,
+        dimension=answer_width,
         int8_weights_bytes=None if config.quantization else int8_weights,
     )
-    act = activation(hf_config) if cls.task == "score" else "identity"
-    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, act)
-
-
-def _with_classifier_tokens(hf_config: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
-    """config.json plus the ids of `classifier_from_token` (Qwen3-Reranker's "no" and "yes"), which say which rows
-    of the LM head to read."""
-    tokens = hf_config.get("classifier_from_token")
-    if not tokens:
-        return hf_config
-    ids = [tokenizer.token_id(t) for t in tokens]
-    if None in ids:
-        raise CheckpointError(f"classifier_from_token {tokens} names tokens the tokenizer does not have")
-    return {**hf_config, "classifier_token_ids": ids}
+    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan)
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
@@ -162,8 +137,7 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     score = p.cls.task == "score"
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
-    if score:
-        p = replace(p, hf_config=_with_classifier_tokens(p.hf_config, tokenizer))
+    p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
     net = _load_weights(p, keep_bf16=_holds_bf16(p, native or NativeConfig()))
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
@@ -171,22 +145,12 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
     strips = strip_f32() and may_build("linear_f32", native or NativeConfig())  # float32 layers for its kernel
     if pack_linears(net, p.dtype, strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
-    dense = [] if score else [Dense.load(d) for d in p.st.dense_dirs]
-    heads = None  # bge-m3's sparse and ColBERT heads: found beside the weights, or named by vLLM's architecture
-    beside = not score and p.pooling.method != "SPLADE" and M3Heads.present(p.path)
-    if p.architecture == "BgeM3EmbeddingModel" or beside:
-        heads = M3Heads.load(p.path, net.hidden_size)
+    head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
     dims = p.hf_config.get("matryoshka_dimensions")
-    if score:
-        dimension = num_labels(p.hf_config)
-    elif p.pooling.method == "SPLADE":  # a weight per vocabulary entry
-        dimension = int(p.hf_config["vocab_size"])
-    else:
-        dimension = dense[-1].linear.out_features if dense else net.hidden_size
     info = ModelInfo(
         name=p.name,
         architecture=p.architecture,
-        dimension=dimension,
+        dimension=head.dimension,
         max_model_len=p.max_model_len,
         dtype=str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if config.quantization else ""),
         pooling=p.pooling,
@@ -195,21 +159,22 @@ def load(config: ModelConfig, native: NativeConfig | None = None, memory: Memory
         prompts=p.st.prompts,
         default_prompt_name=p.st.default_prompt_name,
         vocab_size=tokenizer.vocab_size,
-        task=p.cls.task,
-        num_labels=num_labels(p.hf_config) if score else 0,
-        activation=p.activation,
-        pair_template="qwen3-reranker" if score and p.cls.is_decoder else "tokenizer",
-        splade_strategy=p.hf_config.get("splade_pooling_strategy") if p.pooling.method == "SPLADE" else None,
-        token_heads=heads is not None,
+        head=head.spec,
     )
     seconds = time.perf_counter() - start
     log.info(
         "loaded %s (%s, %s, pooling %s%s from %s, max_model_len %d) in %.1fs",
-        info.name, p.architecture, info.dtype, p.pooling.method, " + normalize" if p.pooling.normalize else "",
-        p.pooling.source, info.max_model_len, seconds,
-    )  # fmt: skip
+        info.name,
+        p.architecture,
+        info.dtype,
+        p.pooling.method,
+        " + normalize" if p.pooling.normalize else "",
+        p.pooling.source,
+        info.max_model_len,
+        seconds,
+    )
     log.info("%s", p.memory.describe())
-    return Loaded(tokenizer, TorchRunner(net, info, dense, native, heads), info, p, seconds)
+    return Loaded(tokenizer, TorchRunner(net, head, info, native), info, p, seconds)
 
 
 def _holds_bf16(p: ModelPlan, native: NativeConfig) -> bool:

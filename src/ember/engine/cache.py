@@ -49,8 +49,11 @@ class EmbeddingCache:
         """Each window's key (by (input, window)), and the outputs held for them (none for outputs not kept)."""
         if output not in CACHED_OUTPUTS:
             return {}, {}
-        keys = {(i, j): self.key(output, ids, types[i][j] if types else None)
-                for i, ws in enumerate(windows) for j, ids in enumerate(ws)}  # fmt: skip
+        keys = {
+            (i, j): self.key(output, ids, types[i][j] if types else None)
+            for i, ws in enumerate(windows)
+            for j, ids in enumerate(ws)
+        }
         return keys, {at: value for at, key in keys.items() if (value := self.get(key)) is not None}
 
     def get(self, key: bytes) -> np.ndarray | None:

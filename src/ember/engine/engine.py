@@ -110,7 +110,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         warm = [self.tokenizer.encode("warm up")]
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._model_thread, self.runner.embed, warm)
+        await loop.run_in_executor(self._model_thread, self.runner.run, warm)
         self._task = asyncio.create_task(self._run(), name="ember-scheduler")
         fused = "building in the background" if self.config.compile_kernels else f"off ({self.config.eager_reason})"
         self.kernels["fused"] = KernelStatus("fused", False, fused)
@@ -210,8 +210,9 @@ class AsyncEngine:
         fit, start = self.preprocessor.fit, time.monotonic()
         fitted = fit(prepared, params) if small else await self.run_in_tokenizer(fit, prepared, params)
         tokenized = time.monotonic() - start
-        request = await self._run_request([f.windows for f in fitted], [f.tokens for f in fitted],
-                                          output=params.output, timeout=timeout)  # fmt: skip
+        request = await self._run_request(
+            [f.windows for f in fitted], [f.tokens for f in fitted], output=params.output, timeout=timeout
+        )
         return EmbedResult(
             self.preprocessor.vectors(request.windows, request.pooled, prepared),
             request.token_counts,
@@ -234,10 +235,8 @@ class AsyncEngine:
         fit, start = self.pairs.fit, time.monotonic()
         built = fit(pairs, params) if small else await self.run_in_tokenizer(fit, pairs, params)
         tokenized = time.monotonic() - start
-        request = await self._run_request(
-            [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built], timeout=timeout
-        )
-        scores = [self.pairs.score(request.pooled[(i, 0)], params) for i in range(len(built))]
+        request = await self._run_request(*self.pairs.windows(built), timeout=timeout)
+        scores = self.pairs.scores(request.pooled, len(built), params)
         return ScoreResult(scores, request.token_counts, *self._times(request), tokenized, tuple(request.batches))
 
     async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams, timeout: float | None) -> ScoreResult:
@@ -246,8 +245,9 @@ class AsyncEngine:
         embed = EmbedParams(normalize=True, truncate_prompt_tokens=params.truncate_prompt_tokens)
         result = await self.embed(texts, embed, timeout=timeout)
         scores, counts = cosine_scores(pairs, texts, result.vectors, result.token_counts)
-        return ScoreResult(scores, counts, result.queue_seconds, result.inference_seconds, result.tokenize_seconds,
-                           result.batches)  # fmt: skip
+        return ScoreResult(
+            scores, counts, result.queue_seconds, result.inference_seconds, result.tokenize_seconds, result.batches
+        )
 
     async def _run_request(
         self,
@@ -355,7 +355,7 @@ class AsyncEngine:
         """One batch on the model thread (model_busy while it runs)."""
         self.model_busy = True
         try:
-            return self.runner.embed(*inputs)
+            return self.runner.run(*inputs)
         finally:
             self.model_busy = False
 

@@ -225,13 +225,13 @@ class Preprocessor:
         return Prepared(items, prompt, self._dimensions(params.dimensions), normalize, params.output)
 
     def _check_output(self, output: Output) -> None:
-        info = self.info
-        if output == "token_classify" and not info.token_heads:
-            raise InputError(f"this model ({info.architecture}) has no weight per token: token_classify needs "
-                             "bge-m3's sparse head (sparse_linear.pt beside the weights)", "task")  # fmt: skip
-        if output == "token_embed" and info.splade_strategy is not None:
-            raise InputError(f"this model ({info.architecture}) gives a weight per vocabulary entry per input, "
-                             "not token vectors: use task embed, or /embed_sparse", "task")  # fmt: skip
+        head = self.info.head
+        if output not in head.outputs:
+            raise InputError(
+                f"this model ({self.info.architecture}) does not give {output}; it gives "
+                f"{', '.join(head.outputs) or 'scores (/score, /rerank)'}",
+                "task",
+            )
 
     def prompt(self, prompt_name: str | None) -> str:
         """The prompt to put before each text: the named one, else the model's default, else none."""
@@ -256,10 +256,17 @@ class Preprocessor:
         chunked = self.pooler.enable_chunked_processing and params.output != "token_embed"
         pooler = replace(self.pooler, enable_chunked_processing=chunked)
         return [
-            fit_length(ids, max_len, specials, truncate_to=params.truncate_prompt_tokens, side=params.truncation_side,
-                       pooler=pooler, auto_truncate=self.auto_truncate)
+            fit_length(
+                ids,
+                max_len,
+                specials,
+                truncate_to=params.truncate_prompt_tokens,
+                side=params.truncation_side,
+                pooler=pooler,
+                auto_truncate=self.auto_truncate,
+            )
             for ids in seqs
-        ]  # fmt: skip
+        ]
 
     def vectors(
         self, windows: list[list[list[int]]], pooled: dict[tuple[int, int], np.ndarray], prepared: Prepared
@@ -268,23 +275,30 @@ class Preprocessor:
         when chunked; for token_embed its (tokens, D) vectors with the head applied to every row; for
         token_classify its TokenWeights."""
         if prepared.output == "embed":
-            merge = self.info.splade_strategy or "mean"
+            merge = self.info.head.merge
             return [
-                embed_windows([pooled[(i, j)] for j in range(len(ws))], [len(w) for w in ws], prepared.dimensions,
-                              prepared.normalize, merge)
+                embed_windows(
+                    [pooled[(i, j)] for j in range(len(ws))],
+                    [len(w) for w in ws],
+                    prepared.dimensions,
+                    prepared.normalize,
+                    merge,
+                )
                 for i, ws in enumerate(windows)
-            ]  # fmt: skip
+            ]
         if prepared.output == "token_embed":
-            return [token_head(self._token_rows(ws[0], pooled[(i, 0)], False)[1], prepared.dimensions,
-                               prepared.normalize) for i, ws in enumerate(windows)]  # fmt: skip
+            return [
+                token_head(self._token_rows(ws[0], pooled[(i, 0)], False)[1], prepared.dimensions, prepared.normalize)
+                for i, ws in enumerate(windows)
+            ]
         return [self._token_weights(ws, [pooled[(i, j)] for j in range(len(ws))]) for i, ws in enumerate(windows)]
 
     def _token_rows(self, ids: list[int], rows: np.ndarray, last_too: bool) -> tuple[np.ndarray, np.ndarray]:
-        """A window's token ids and output rows; as vLLM serves bge-m3, without its first token (BOS), and with
-        `last_too` its last (EOS), where the window has them."""
-        specials = self.tokenizer.special_tokens
-        start = 1 if self.info.token_heads and specials.prefix and ids[:1] == list(specials.prefix[:1]) else 0
-        last = last_too and self.info.token_heads and specials.suffix and ids[-1:] == list(specials.suffix[-1:])
+        """A window's token ids and output rows; for a head that trims specials (as vLLM serves bge-m3), without its
+        first token (BOS), and with `last_too` its last (EOS), where the window has them."""
+        specials, trim = self.tokenizer.special_tokens, self.info.head.trim_specials
+        start = 1 if trim and specials.prefix and ids[:1] == list(specials.prefix[:1]) else 0
+        last = last_too and trim and specials.suffix and ids[-1:] == list(specials.suffix[-1:])
         end = max(start, len(ids) - 1 if last else len(ids))
         return np.asarray(ids[start:end], dtype=np.int64), np.asarray(rows[start:end], dtype=np.float32)
 

@@ -35,11 +35,12 @@ class TokenWeights:
 
 
 def sparse_output(info: ModelInfo) -> Literal["embed", "token_classify"] | None:
-    """What the engine computes for an input's sparse weights: a SPLADE model's pooled vocabulary vector, bge-m3's
-    weight per token; None for a model that has no sparse weights."""
-    if info.splade_strategy is not None:
+    """What the engine computes for an input's sparse weights: the pooled vector of a head whose vector is a weight
+    per vocabulary entry (SPLADE), else a weight per token (bge-m3's token_classify); None for a model that has
+    neither."""
+    if info.head.vocabulary:
         return "embed"
-    return "token_classify" if info.token_heads else None
+    return "token_classify" if "token_classify" in info.head.outputs else None
 
 
 def lexical(answer: Any, skip: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:

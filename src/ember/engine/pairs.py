@@ -1,9 +1,9 @@
 """Scoring inputs: (query, document) pairs turned into one model input each, and logits into scores (pure).
 
 A cross-encoder reads the pair through its tokenizer's pair template ([CLS] q [SEP] d [SEP], <s> q </s></s> d </s>)
-with token types marking the document. Qwen3-Reranker reads a chat prompt (system, `<Instruct>`, `<Query>`,
-`<Document>`, then an empty think block) and answers "yes" or "no"; a query a client already formatted that way
-(as vLLM's examples do) is used as it is. Too long a pair loses tokens from the document's end, never the query's.
+with token types marking the document. A model that declares a prompt of its own (HeadSpec.pair_prompt:
+Qwen3-Reranker's chat prompt) reads query and document inside it; a query a client already formatted that way (as
+vLLM's examples do) is used as it is. Too long a pair loses tokens from the document's end, never the query's.
 """
 
 from __future__ import annotations
@@ -16,29 +16,9 @@ import numpy as np
 from ember.engine.inputs import check_length, truncation_length
 from ember.errors import InputError
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo
+from ember.types import ModelInfo, PairPrompt
 
-__all__ = [
-    "DEFAULT_INSTRUCTION",
-    "Pair",
-    "PairPreprocessor",
-    "ScoreParams",
-    "cosine_scores",
-    "distinct_texts",
-    "qwen3_reranker_prompt",
-]
-
-QWEN3_RERANKER_PREFIX = (
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
-    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-)
-QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-
-
-def qwen3_reranker_prompt(query: str, instruction: str | None = None) -> str:
-    """The part of Qwen3-Reranker's prompt before the document (the official format)."""
-    return f"{QWEN3_RERANKER_PREFIX}<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
+__all__ = ["Pair", "PairPreprocessor", "ScoreParams", "cosine_scores", "distinct_texts"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +32,7 @@ class ScoreParams:
     use_activation: bool | None = None
     """False: raw logits; None or True: the model's activation (sigmoid, softmax or none)."""
     instruction: str | None = None
-    """Qwen3-Reranker's task instruction; None: the official default."""
+    """The task instruction of a model whose prompt has one (Qwen3-Reranker); None: the model's default."""
 
 
 class Pair(NamedTuple):
@@ -82,8 +62,9 @@ class PairPreprocessor:
         if per_doc == 0:  # vLLM's: no cut
             params = replace(params, max_tokens_per_doc=None)
         limit = self._limit(params)
-        if self.info.pair_template == "qwen3-reranker":
-            built = self._qwen3(pairs, params, limit)
+        prompt = self.info.head.pair_prompt
+        if prompt is not None:
+            built = self._prompted(prompt, pairs, params, limit)
         else:
             built = self.tokenizer.encode_pairs(pairs, limit, params.max_tokens_per_doc)
         out = []
@@ -98,17 +79,16 @@ class PairPreprocessor:
             return max_len if self.auto_truncate else None
         return truncation_length(cut, max_len)
 
-    def _qwen3(
-        self, pairs: list[tuple[str, str]], params: ScoreParams, limit: int | None
+    def _prompted(
+        self, prompt: PairPrompt, pairs: list[tuple[str, str]], params: ScoreParams, limit: int | None
     ) -> list[tuple[list[int], list[int]]]:
-        """prompt + "<Document>: " + document + suffix; the document cut from its end to fit."""
+        """The prompt's head with the query, the document in its frame, then the suffix; the document cut from its
+        end to fit."""
         tok = self.tokenizer
-        firsts = {
-            q: q if q.startswith("<|im_start|>") else qwen3_reranker_prompt(q, params.instruction) for q, _ in pairs
-        }
+        firsts = {q: q if q.startswith(prompt.formatted) else prompt.head(q, params.instruction) for q, _ in pairs}
         first_ids = dict(zip(firsts, tok.encode_batch(list(firsts.values()), False), strict=True))
-        docs = tok.encode_batch([d if firsts[q] == q else f"<Document>: {d}" for q, d in pairs], False)
-        suffix = [] if not firsts else tok.encode(QWEN3_RERANKER_SUFFIX, False)
+        docs = tok.encode_batch([d if firsts[q] == q else prompt.document.format(document=d) for q, d in pairs], False)
+        suffix = [] if not firsts else tok.encode(prompt.suffix, False)
         out = []
         for (q, _), doc in zip(pairs, docs, strict=True):
             head, tail = first_ids[q], [] if firsts[q] == q else suffix
@@ -120,11 +100,20 @@ class PairPreprocessor:
             out.append((ids, [0] * len(ids)))
         return out
 
+    @staticmethod
+    def windows(built: list[Pair]) -> tuple[list[list[list[int]]], list[int], list[list[list[int]]]]:
+        """What the scheduler admits for the pairs: one window each, its token count, its token types."""
+        return [[p.ids] for p in built], [p.tokens for p in built], [[p.types] for p in built]
+
+    def scores(self, pooled: dict[tuple[int, int], np.ndarray], count: int, params: ScoreParams) -> list[float]:
+        """Each pair's score from the scheduler's computed windows (keyed (pair, 0))."""
+        return [self.score(pooled[(i, 0)], params) for i in range(count)]
+
     def score(self, logits: np.ndarray, params: ScoreParams) -> float:
         """One pair's score from its logits (num_labels,): the model's activation unless use_activation is false;
         with several labels, the last one's (the "relevant" class of a two-label classifier)."""
         x = logits.astype(np.float64)
-        act = self.info.activation if params.use_activation is not False else "identity"
+        act = self.info.head.activation if params.use_activation is not False else "identity"
         if act == "sigmoid":
             x = 1.0 / (1.0 + np.exp(-x))
         elif act == "softmax":

@@ -1,4 +1,4 @@
-"""The torch side: runs one packed batch through the model and its pooler.
+"""The torch side: runs one packed batch through the model and its head.
 
 This is the only engine module that imports torch; the async engine gets a runner
 injected, so everything above it can be tested with a fake runner.
@@ -11,12 +11,10 @@ import torch
 
 from ember.config import NativeConfig
 from ember.models.base import Architecture
-from ember.models.dense import Dense
-from ember.models.m3 import M3Heads
+from ember.models.heads import Head
 from ember.ops.fused import compiled, compiling
 from ember.ops.linear import release_bf16, release_strips
 from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
-from ember.ops.pooling import pool
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -26,30 +24,21 @@ __all__ = ["TorchRunner", "padded_tokens"]
 
 
 class TorchRunner:
-    """Embeds packed batches: (B sequences of token ids) -> (B, dimension) float32 pooled vectors."""
+    """Runs packed batches: (B sequences of token ids) -> each input's answer from the model's head."""
 
-    def __init__(
-        self,
-        model: Architecture,
-        info: ModelInfo,
-        dense: list[Dense] | None = None,
-        native: NativeConfig | None = None,
-        heads: M3Heads | None = None,
-    ) -> None:
+    def __init__(self, model: Architecture, head: Head, info: ModelInfo, native: NativeConfig | None = None) -> None:
         self.model = model
+        self.head = head
         self.info = info
-        self.dense = dense or []
-        self.heads = heads
-        """bge-m3's sparse and ColBERT heads, for token_classify and token_embed."""
         self.native = native or NativeConfig()
         self.compiled = False
-        """True once compile() has built the fused kernels: embed() then uses them."""
+        """True once compile() has built the fused kernels: run() then uses them."""
         self.share_prefixes = model.shares_prefixes and info.pooling.method == "LAST"
         """Whether sequences of a batch that start alike compute their common prefix once (ember.ops.prefix):
         causal models pooled on the last token."""
 
     @torch.inference_mode()
-    def embed(
+    def run(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
         if outputs is not None and all(o == "embed" for o in outputs):
@@ -71,40 +60,14 @@ class TorchRunner:
             positions += torch.repeat_interleave(starts, torch.tensor(lens))
             shared["shared"] = prefix_layout(lens, [*plan.parents, -1][: len(lens)])
         with compiled(self.compiled):
-            hidden = self.model(input_ids, positions, lens, types, **shared)  # (T, H)
-        if self.info.pooling.method == "SPLADE":  # (B, vocabulary) float32 weights
-            return self.model.sparse(hidden[:total], seqlens).numpy()
-        pooled = pool(hidden[:total], seqlens, self.info.pooling.method)  # (B, H) float32
-        if plan is not None:
-            pooled = pooled[plan.owners]  # a row per sequence of the batch, in its order
-        logits = self.model.classify(pooled.to(hidden.dtype))
-        if logits is not None:  # a score model: (B, num_labels)
-            return logits.float().numpy()
-        for dense in self.dense:
-            pooled = dense(pooled)
+            hidden = self.model(input_ids, positions, lens, types, **shared)[:total]  # (T, H)
+        answers = self.head(hidden, seqlens, None if plan is None else plan.owners).numpy()  # (B, dimension)
         if outputs is None:
-            return pooled.numpy()
-        return self._token_outputs(hidden[:total], seqlens, outputs, pooled.numpy())
-
-    def _token_outputs(
-        self, hidden: torch.Tensor, seqlens: list[int], outputs: list[Output], pooled: np.ndarray
-    ) -> list[np.ndarray]:
-        """Each sequence's pooled row, or what its output asks: for token_embed its (tokens, D) vectors (bge-m3's
-        ColBERT head, else the states through Dense), for token_classify its (tokens,) weights (the sparse head)."""
-        out: list[np.ndarray] = list(pooled)
-        for i, (states, output) in enumerate(zip(hidden.split(seqlens), outputs, strict=True)):
-            if output == "token_classify":
-                if self.heads is None:
-                    raise ValueError(f"{self.info.architecture} has no token weight head")
-                out[i] = self.heads.weights(states).numpy()
-            elif output == "token_embed" and self.heads is not None:
-                out[i] = self.heads.vectors(states).numpy()
-            elif output == "token_embed":
-                x = states.float()
-                for dense in self.dense:
-                    x = dense(x)
-                out[i] = x.numpy()
-        return out
+            return answers
+        return [
+            row if output == "embed" else self.head.tokens(states, output).numpy()
+            for row, states, output in zip(answers, hidden.split(seqlens), outputs, strict=True)
+        ]
 
     def load_kernels(self) -> list[KernelStatus]:
         """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8
@@ -124,13 +87,13 @@ class TorchRunner:
     def compile(self) -> None:
         """Compiles the model's fused regions with small forwards on this thread; then every thread uses them."""
         with compiling():
-            self.embed([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
+            self.run([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
             # and a batch of just over a token slice: models may take another path there (Qwen3's layers run
             # in slices around attention instead of as one region), whose regions would otherwise stay eager
             lengths: list[int] = []
             while sum(lengths) <= TOKEN_SLICE:
                 lengths.append(min(self.info.max_model_len, TOKEN_SLICE + 1 - sum(lengths)))
-            self.embed([[1] * n for n in lengths])
+            self.run([[1] * n for n in lengths])
         self.compiled = True
 
 

@@ -3,7 +3,8 @@
 An architecture is an `nn.Module` that runs packed batches (token ids and positions (T,), sequence lengths)
 to hidden states (T, hidden). Its class says how it is built from config.json, how checkpoint keys map to its
 parameters, whether it is a decoder (pooled on the last token, EOS appended), and which linear layers
-`--quantization int8` may replace. Score models (cross-encoders, rerankers) add a head on the pooled states.
+`--quantization int8` may replace, and what its head is (ember.models.heads): the pooling it runs, the outputs it
+gives. The engine asks the head; it never names a family.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from typing import Any, ClassVar, Self
 import torch
 from torch import nn
 
-from ember.types import Task
+from ember.config import PoolerConfig
+from ember.models.heads import Head, HeadContext, PooledHead
+from ember.models.st_modules import STModules, resolve_pooling
+from ember.tokenizer import Tokenizer
+from ember.types import PoolingSpec, Task
 
 __all__ = ["Architecture"]
 
@@ -68,15 +73,28 @@ class Architecture(nn.Module, ABC):
         prefix held once in it. Only causal models can: their prefix tokens' states do not depend on what follows."""
         return False
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor | None:
-        """A score model's head on its pooled hidden states (B, hidden) -> (B, num_labels) logits; None for an
-        embedding model (its pooled states are the output)."""
-        return None
+    @classmethod
+    def head_pooling(cls, st: STModules, pooler: PoolerConfig) -> PoolingSpec:
+        """The pooling its head runs: --pooler-config's, else the sentence-transformers files', else the family's
+        default (LAST for decoders, CLS for encoders)."""
+        return resolve_pooling(st, pooler, is_decoder=cls.is_decoder)
 
-    def sparse(self, hidden: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """A sparse (SPLADE) model's vocabulary weights per input from packed hidden states (T, hidden):
-        (B, vocabulary) float32. Other models have none."""
-        raise NotImplementedError(f"{type(self).__name__} has no sparse head")
+    @classmethod
+    def head_memory(cls, cfg: dict[str, Any]) -> tuple[int, int]:
+        """For the memory plan, before loading: (width of an answer the server holds, 0 for a score; bytes the head
+        needs beside the model's activations)."""
+        return int(cfg["hidden_size"]), 0
+
+    @classmethod
+    def with_tokenizer(cls, cfg: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+        """config.json plus what the model needs from its tokenizer before its weights are read (token ids whose
+        rows a head takes, say)."""
+        return cfg
+
+    def head(self, ctx: HeadContext) -> Head:
+        """The head this model runs its hidden states through: pooling, then the sentence-transformers Dense
+        modules if any."""
+        return PooledHead.build(ctx, self.hidden_size)
 
     @staticmethod
     def standard_config(cfg: dict[str, Any]) -> dict[str, Any]:

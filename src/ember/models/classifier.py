@@ -12,23 +12,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
 
-from ember.errors import UnsupportedModelError
+from ember.config import PoolerConfig
+from ember.errors import CheckpointError, UnsupportedModelError
+from ember.models.base import Architecture
 from ember.models.bert import BertArgs, BertModel
+from ember.models.heads import Head, HeadContext
 from ember.models.llama import LlamaArgs, LlamaModel
-from ember.types import Activation
+from ember.models.st_modules import STModules
+from ember.tokenizer import Tokenizer
+from ember.types import Activation, HeadSpec, PairPrompt, PoolingSpec, PoolingType
 
 __all__ = [
+    "QWEN3_RERANKER",
     "BertForSequenceClassification",
     "DecoderForSequenceClassification",
     "RobertaForSequenceClassification",
+    "ScoreHead",
     "activation",
     "num_labels",
 ]
+
+QWEN3_RERANKER = PairPrompt(
+    query="<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n",
+    document="<Document>: {document}",
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    default_instruction="Given a web search query, retrieve relevant passages that answer the query",
+    formatted="<|im_start|>",
+)
+"""Qwen3-Reranker's prompt (the official format): system, `<Instruct>`, `<Query>`, `<Document>`, then an empty
+think block; the model answers "yes" or "no"."""
 
 
 def num_labels(cfg: dict[str, Any]) -> int:
@@ -39,6 +58,44 @@ def num_labels(cfg: dict[str, Any]) -> int:
         return len(cfg["classifier_from_token"])
     # transformers leaves both out for its default of two labels
     return int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+
+
+class ScoreHead(Head):
+    """A score model's: the classifier on the pooled state ([CLS] of an encoder, the last token of a decoder),
+    (B, num_labels) logits."""
+
+    def __init__(self, model: _ScoreModel, method: PoolingType, cfg: dict[str, Any]) -> None:
+        labels = num_labels(cfg)
+        super().__init__(method, labels)
+        self.model = model
+        self.spec = HeadSpec("score", (), num_labels=labels, activation=activation(cfg), pair_prompt=model.pair_prompt)
+
+    def __call__(self, hidden: torch.Tensor, seqlens: list[int], owners: list[int] | None = None) -> torch.Tensor:
+        pooled = self.pool(hidden, seqlens, owners)
+        return self.model.classify(pooled.to(hidden.dtype)).float()
+
+
+class _ScoreModel(Architecture):
+    """What every score model shares: its head reads the pooled state through `classify`."""
+
+    task = "score"
+    pair_prompt: ClassVar[PairPrompt | None] = None
+    """How a pair becomes one input; None: the tokenizer's pair template."""
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled states (B, hidden) -> (B, num_labels) logits."""
+        raise NotImplementedError
+
+    @classmethod
+    def head_pooling(cls, st: STModules, pooler: PoolerConfig) -> PoolingSpec:
+        return PoolingSpec("LAST" if cls.is_decoder else "CLS", False, "classifier")
+
+    @classmethod
+    def head_memory(cls, cfg: dict[str, Any]) -> tuple[int, int]:
+        return 0, 0
+
+    def head(self, ctx: HeadContext) -> Head:
+        return ScoreHead(self, ctx.pooling.method, ctx.config)
 
 
 class _Dense(nn.Module):
@@ -54,10 +111,8 @@ class _RobertaHead(nn.Module):
         self.out_proj = nn.Linear(hidden, labels)
 
 
-class BertForSequenceClassification(BertModel):
+class BertForSequenceClassification(_ScoreModel, BertModel):
     """BERT with its pooler (dense + tanh on [CLS]) and classifier: (B, hidden) -> (B, num_labels)."""
-
-    task = "score"
 
     def __init__(self, a: BertArgs, labels: int) -> None:
         super().__init__(a)
@@ -78,10 +133,8 @@ class BertForSequenceClassification(BertModel):
         return self.classifier(torch.tanh(self.pooler.dense(pooled)))
 
 
-class RobertaForSequenceClassification(BertModel):
+class RobertaForSequenceClassification(_ScoreModel, BertModel):
     """XLM-R / RoBERTa with their classification head (dense + tanh, out_proj) on <s>."""
-
-    task = "score"
 
     def __init__(self, a: BertArgs, labels: int) -> None:
         super().__init__(a)
@@ -101,11 +154,11 @@ class RobertaForSequenceClassification(BertModel):
         return self.classifier.out_proj(torch.tanh(self.classifier.dense(pooled)))
 
 
-class DecoderForSequenceClassification(LlamaModel):
+class DecoderForSequenceClassification(_ScoreModel, LlamaModel):
     """A Llama-family decoder (Qwen3) with a `score` layer on the last token: a seq-cls checkpoint's own, or the
     LM-head rows of `classifier_from_token` (Qwen3-Reranker's "no" and "yes")."""
 
-    task = "score"
+    pair_prompt = QWEN3_RERANKER
 
     def __init__(self, a: LlamaArgs, labels: int, token_ids: list[int] | None, yes_minus_no: bool) -> None:
         super().__init__(a)
@@ -117,6 +170,17 @@ class DecoderForSequenceClassification(LlamaModel):
     def from_config(cls, cfg: dict[str, Any]) -> Self:
         ids = cfg.get("classifier_token_ids")  # the ids of classifier_from_token, found by the loader
         return cls(LlamaArgs.from_config(cfg), num_labels(cfg), ids, bool(cfg.get("is_original_qwen3_reranker")))
+
+    @classmethod
+    def with_tokenizer(cls, cfg: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+        """Plus the ids of `classifier_from_token` (Qwen3-Reranker's "no" and "yes"), the LM-head rows to read."""
+        tokens = cfg.get("classifier_from_token")
+        if not tokens:
+            return cfg
+        ids = [tokenizer.token_id(t) for t in tokens]
+        if None in ids:
+            raise CheckpointError(f"classifier_from_token {tokens} names tokens the tokenizer does not have")
+        return {**cfg, "classifier_token_ids": ids}
 
     @staticmethod
     def checkpoint_key(name: str) -> str | None:

@@ -58,12 +58,16 @@ class Gemma3Args:
             raise UnsupportedModelError("Gemma 3 with attn_logit_softcapping is not supported")
         n = cfg["num_hidden_layers"]
         every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                                           for i in range(n)]  # fmt: skip
+        types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
+        ]
         head_dim = cfg.get("head_dim") or 256
         rope = cfg.get("rope_parameters") or {}
-        global_rope = {"rope_theta": cfg.get("rope_theta") or 1e6, **(cfg.get("rope_scaling") or {}),
-                       **rope.get("full_attention", {})}  # fmt: skip
+        global_rope = {
+            "rope_theta": cfg.get("rope_theta") or 1e6,
+            **(cfg.get("rope_scaling") or {}),
+            **rope.get("full_attention", {}),
+        }
         local_rope = {"rope_theta": cfg.get("rope_local_base_freq") or 1e4, **rope.get("sliding_attention", {})}
         return cls(
             vocab_size=cfg["vocab_size"],

@@ -49,8 +49,9 @@ class ModernBertArgs:
     def from_config(cls, cfg: dict[str, Any]) -> ModernBertArgs:
         n, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
         every = cfg.get("global_attn_every_n_layers") or 3
-        types = cfg.get("layer_types") or ["full_attention" if i % every == 0 else "sliding_attention"
-                                           for i in range(n)]  # fmt: skip
+        types = cfg.get("layer_types") or [
+            "full_attention" if i % every == 0 else "sliding_attention" for i in range(n)
+        ]
         act = cfg.get("hidden_activation", "gelu")
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_activation {act!r} is not supported; known: {sorted(ACTIVATIONS)}")

@@ -96,8 +96,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         attr, algorithm = _POST_OPS[act] if act else ("none", "")
         if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > F32_SLICE:
-            parts = [torch.ops.mkldnn._linear_pointwise(part, self.weight, self.bias, attr, [], algorithm)
-                     for part in x.split(F32_SLICE)]  # fmt: skip
+            parts = [
+                torch.ops.mkldnn._linear_pointwise(part, self.weight, self.bias, attr, [], algorithm)
+                for part in x.split(F32_SLICE)
+            ]
             return torch.cat(parts)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, attr, [], algorithm)
 

@@ -35,13 +35,10 @@ not match (truncated, corrupt, or not ember's) is never loaded.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
-import os
 import platform
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +48,7 @@ import torch
 
 from ember.config import NativeConfig
 from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags, usable_cpu_flags
+from ember.ops import cxx
 from ember.types import KernelStatus
 
 __all__ = [
@@ -258,7 +256,7 @@ def _prebuilt(source: Path, cache: Path, tier: str) -> Path | None:
     out = _prebuilt_path(source, cache, tier)
     digest = out.with_name(out.name + ".sha256")
     try:
-        if out.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(out):
+        if out.is_file() and digest.is_file() and digest.read_text().strip() == cxx.sha256(out):
             return out
     except OSError:
         return None
@@ -278,7 +276,7 @@ def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, st
             source = _CSRC / f"{kernel.name}.cpp"
             out = _prebuilt_path(source, cache, tier)
             if _prebuilt(source, cache, tier) is None:
-                _compile(compiler, source, out, PREBUILT_TIERS[tier])
+                cxx.compile_library(compiler, source, out, PREBUILT_TIERS[tier])
             built.append((kernel.name, tier, out))
     return built
 
@@ -298,9 +296,13 @@ def _isa(lib: ctypes.CDLL, name: str) -> str:
         return ""
     isa.restype = ctypes.c_char_p
     names = {
-        b"amx": "AMX, ", b"avx512_bf16": "AVX-512 BF16, ", b"avx512_vnni": "AVX-512 VNNI, ", b"avx512": "AVX-512, ",
-        b"avx2": "AVX2, ", b"neon": "NEON, ",
-    }  # fmt: skip
+        b"amx": "AMX, ",
+        b"avx512_bf16": "AVX-512 BF16, ",
+        b"avx512_vnni": "AVX-512 VNNI, ",
+        b"avx512": "AVX-512, ",
+        b"avx2": "AVX2, ",
+        b"neon": "NEON, ",
+    }
     return names.get(isa(), f"{isa().decode()}, ")
 
 
@@ -324,27 +326,6 @@ def _cache_dir(config: NativeConfig) -> Path:
     return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "ember"
 
 
-def _compile_command(compiler: str, source: Path, out: Path, target: list[str] | None = None) -> list[str]:
-    torch_dir = Path(torch.__file__).parent
-    includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
-    lib = torch_dir / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [
-        compiler, "-O3", *(_march() if target is None else target), "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(source), "-o", str(out),
-        f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}",
-    ]  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4)
-def _compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.splitlines()[0] if done.stdout else "unknown"
-
-
 def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
     """The built library for this source (and the headers beside it), compiler, command, torch and CPU, and how
     it was found: loaded from the cache when its checksum matches, else compiled into it."""
@@ -354,41 +335,20 @@ def _library(compiler: str, source: Path, cache: Path) -> tuple[Path, str]:
         source.read_bytes(),
         *(h.read_bytes() for h in headers),
         torch.__version__.encode(),
-        _compiler_version(compiler).encode(),
-        " ".join(_compile_command(compiler, source, Path("OUT"))).encode(),
+        cxx.compiler_version(compiler).encode(),
+        " ".join(cxx.compile_command(compiler, source, Path("OUT"), _march())).encode(),
         " ".join(sorted(cpu_flags())).encode(),
     ):
         key.update(part)
     out = cache / f"ember_{source.stem}-{key.hexdigest()[:16]}.so"
     digest = out.with_name(out.name + ".sha256")
-    if out.is_file() and digest.is_file() and digest.read_text().strip() == _sha256(out):
+    if out.is_file() and digest.is_file() and digest.read_text().strip() == cxx.sha256(out):
         return out, "loaded from"
     if out.exists():
         log.warning("native %s: cached %s does not match its checksum; rebuilding it", source.stem, out)
     # the first start on a machine compiles each kernel once (tens of seconds): say so before, and how long after
     log.warning("native %s: compiling it for this CPU with %s, once (cached in %s)...", source.stem, compiler, cache)
     start = time.perf_counter()
-    _compile(compiler, source, out, _march())
+    cxx.compile_library(compiler, source, out, _march())
     log.warning("native %s built in %.0f s: %s", source.stem, time.perf_counter() - start, out)
     return out, "built into"
-
-
-def _compile(compiler: str, source: Path, out: Path, target: list[str]) -> None:
-    """Compile `source` for `target` into `out`, with its SHA-256 beside it (both replaced atomically)."""
-    digest = out.with_name(out.name + ".sha256")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        command = _compile_command(compiler, source, tmp_out, target)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise subprocess.SubprocessError(
-                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"{compiler} failed"
-            )
-        (Path(tmp) / digest.name).write_text(_sha256(tmp_out))
-        os.replace(tmp_out, out)  # atomic: a concurrent start sees the whole file or none
-        os.replace(Path(tmp) / digest.name, digest)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,120 @@
+"""The model flags, declared once for `ember serve`, `ember doctor` and `ember embed` (and for each entry of
+`ember serve --models FILE`): what to load and how, vLLM's names, defaults and help from ember.config.ModelConfig.
+
+`model_config` builds the ModelConfig from parsed flags or from a mapping whose keys are the flags with
+underscores (`max_model_len`, `hf_overrides` ...), so every command plans a model the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from ember.cli.fields import add_field_flag
+from ember.cli.runtime import parse_bytes
+from ember.config import EngineConfig, ModelConfig, PoolerConfig, check_dtype, parse_json_object
+from ember.errors import ConfigError
+
+__all__ = ["MODEL_KEYS", "add_model_flags", "model_config", "parse_size", "truncate"]
+
+MODEL_KEYS = (
+    "model",
+    "served_model_name",
+    "revision",
+    "download_dir",
+    "dtype",
+    "quantization",
+    "max_model_len",
+    "hf_overrides",
+    "pooler_config",
+    "override_pooler_config",
+    "max_num_batched_tokens",
+    "max_queued_tokens",
+    "memory_limit",
+    "truncate",
+)
+"""Every model flag's name with underscores: the keys an entry of --models may have."""
+
+
+def parse_size(value: str | int) -> int:
+    """A count with vLLM's suffixes: k/m/g are powers of 1000, K/M/G powers of 1024 (`8k` = 8000, `8K` = 8192)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count (e.g. 8192, 8k, 8K)") from None
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
+    """The model flags; with `positional`, the model may also come first, as in `vllm serve MODEL`."""
+    if positional:
+        p.add_argument("model_tag", nargs="?", default=None, help="model: local directory or hub id")
+    add_field_flag(p, "--model", ModelConfig, "model", shown="the bundled all-MiniLM-L6-v2")
+    add_field_flag(
+        p, "--served-model-name", ModelConfig, "served_name", nargs="+", shown="the model", dest="served_model_name"
+    )
+    add_field_flag(p, "--revision", ModelConfig, "revision", shown="main")
+    add_field_flag(p, "--download-dir", ModelConfig, "download_dir", shown="the Hugging Face cache")
+    add_field_flag(p, "--dtype", ModelConfig, "dtype")
+    add_field_flag(p, ("--quantization", "-q"), ModelConfig, "quantization", choices=["int8"])
+    add_field_flag(p, "--max-model-len", ModelConfig, "max_model_len", type=parse_size, shown="the model's")
+    add_field_flag(p, "--hf-overrides", ModelConfig, "hf_overrides", shown="none")
+    add_field_flag(p, "--pooler-config", ModelConfig, "pooler", shown="from the checkpoint", dest="pooler_config")
+    p.add_argument("--override-pooler-config", default=None, help="older name of --pooler-config")
+    add_field_flag(p, "--max-num-batched-tokens", ModelConfig, "max_batch_tokens", type=parse_size)
+    add_field_flag(p, "--max-queued-tokens", ModelConfig, "max_queued_tokens", type=parse_size)
+    add_field_flag(p, "--memory-limit", ModelConfig, "memory_limit", shown="detected")
+    add_field_flag(p, "--truncate", EngineConfig, "auto_truncate", action="store_true", default=False)
+
+
+def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
+    """The ModelConfig the model flags ask for (None or absent: the field's default). Values may be the flags' text
+    or already typed (a YAML entry's numbers, mappings and lists)."""
+    v = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
+    dtype = str(v.get("dtype") or "auto")
+    quantization: Literal["int8"] | None = None
+    if v.get("quantization") or dtype == "int8":
+        if (v.get("quantization") or "int8") != "int8":
+            raise ConfigError(f"--quantization {v['quantization']!r} is not supported; ember offers int8")
+        quantization = "int8"
+    names = v.get("served_model_name")
+    names = [names] if isinstance(names, str) else list(names or [])
+    defaults = ModelConfig()
+    sizes = {
+        key: parse_size(v[key])
+        for key in ("max_model_len", "max_num_batched_tokens", "max_queued_tokens")
+        if v.get(key) is not None
+    }
+    memory = v.get("memory_limit")
+    return ModelConfig(
+        v.get("model") or v.get("model_tag"),
+        served_name=names[0] if names else None,
+        revision=v.get("revision"),
+        download_dir=v.get("download_dir"),
+        dtype=check_dtype("auto" if dtype == "int8" else dtype),
+        quantization=quantization,
+        max_model_len=sizes.get("max_model_len"),
+        hf_overrides=_mapping(v.get("hf_overrides"), "--hf-overrides"),
+        pooler=PoolerConfig.parse(v.get("pooler_config") or v.get("override_pooler_config")),
+        max_batch_tokens=sizes.get("max_num_batched_tokens", defaults.max_batch_tokens),
+        max_queued_tokens=sizes.get("max_queued_tokens", defaults.max_queued_tokens),
+        memory_limit=None if memory is None else memory if isinstance(memory, int) else parse_bytes(str(memory)),
+    )
+
+
+def truncate(values: argparse.Namespace | Mapping[str, Any]) -> bool:
+    """--truncate: over-long inputs cut to max-model-len instead of refused."""
+    v = vars(values) if isinstance(values, argparse.Namespace) else values
+    return bool(v.get("truncate"))
+
+
+def _mapping(raw: str | Mapping[str, Any] | None, flag: str) -> dict[str, Any] | None:
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    return parse_json_object(str(raw), flag)
