@@ -173,7 +173,8 @@ def test_request_id_echo_openapi_and_metrics(client):
         for line in text.splitlines()
         if line.startswith(("ember_batch_duration_seconds_count", "ember_batch_tokens_count"))
     }
-    assert counts["ember_batch_duration_seconds_count"] == counts["ember_batch_tokens_count"] >= 1
+    label = '{model_name="fake-model"}'  # every model series carries vLLM's model_name label
+    assert counts[f"ember_batch_duration_seconds_count{label}"] == counts[f"ember_batch_tokens_count{label}"] >= 1
 
 
 def test_unknown_fields_are_ignored_and_prompt_name_applies(client, runner, tokenizer):
@@ -225,7 +226,7 @@ def test_info_reports_the_model_and_each_kernel_and_metrics_gauge_them(client, r
     assert info["kernels"]["attention"] == {"active": False, "detail": runner.load_kernels()[0].detail}
     assert info["kernels"]["fused"]["active"] is False
     metrics = client.get("/metrics").text
-    assert 'ember_kernel_active{kernel="attention"} 0.0' in metrics
+    assert 'ember_kernel_active{kernel="attention",model_name="fake-model"} 0.0' in metrics
 
 
 def test_docs_page_loads_its_assets_from_the_server_not_a_cdn(client):

@@ -235,3 +235,80 @@ def test_systemd_analyze_verifies_the_unit(tmp_path):
     service = configparser.ConfigParser(interpolation=None, strict=False)
     service.read_string(unit)
     assert service["Service"]["CPUQuota"] == "400%" and service["Service"]["MemoryMax"] == "4G"
+
+
+def _models_file_accepted(args: argparse.Namespace, text: str, tmp_path: Path) -> list:
+    """The models a shipped command line asks for, with its models file, as `ember serve` reads them (none loaded)."""
+    from ember.cli.model_flags import model_configs
+
+    file = tmp_path / "models.yaml"
+    file.write_text(text)
+    return model_configs(argparse.Namespace(**{**vars(args), "models": str(file)}))
+
+
+def test_the_retrieval_stack_overlay_serves_embedder_and_reranker_from_one_deployment(tmp_path):
+    m = _rendered("retrieval-stack")
+    assert set(m) == {"Deployment", "Service", "PodDisruptionBudget", "Secret", "ConfigMap"}
+    import kubernetes_validate
+
+    for resource in m.values():
+        kubernetes_validate.validate(resource, "1.30.0", strict=True)
+    pod = m["Deployment"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    args = serve_args(c["command"])
+    [mount] = [v for v in c["volumeMounts"] if args.models.startswith(v["mountPath"] + "/")]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == m["ConfigMap"]["metadata"]["name"]
+    text = m["ConfigMap"]["data"][Path(args.models).name]
+    wanted = _models_file_accepted(args, text, tmp_path)
+    assert [(c.served_name, cut) for c, cut, _ in wanted] == [("all-minilm", False), ("bge-reranker", True)]
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+
+
+def test_the_compose_stack_runs_one_ember_with_its_models_file(tmp_path):
+    compose = yaml.safe_load((DEPLOY / "compose" / "stack.yaml").read_text())
+    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", (DEPLOY / "docker" / "Dockerfile").read_text(),
+                                          re.M).group(1))  # fmt: skip
+    ember = compose["services"]["ember"]
+    args = serve_args([*entrypoint, *ember["command"]])
+    [source] = [v.split(":")[0] for v in ember["volumes"] if v.split(":")[1] == args.models]
+    wanted = _models_file_accepted(args, (DEPLOY / "compose" / source).read_text(), tmp_path)
+    assert [c.served_name for c, _, _ in wanted] == ["all-minilm", "bge-reranker"]
+    env = dict(e.split("=", 1) for e in compose["services"]["litellm"]["environment"] if "=" in e)
+    assert env["EMBER_API_BASE"].removesuffix("/v1") == env["EMBER_RERANK_API_BASE"]  # both to the one ember
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from checkpoints import build_bert, build_cross_encoder
+    from server import Server
+
+    root = tmp_path_factory.mktemp("stack")
+    embedder = build_bert(root / "e", layers=1, hidden=32)
+    reranker = build_cross_encoder(root / "r", kind="bert")
+    (root / "models.yaml").write_text(yaml.safe_dump([{"model": str(reranker), "served_model_name": "bge-reranker"}]))
+    srv = Server([str(embedder), "--served-model-name", "all-minilm", "--api-key", "k", "--models",
+                  str(root / "models.yaml")], root / "log")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_the_litellm_proxy_routes_embeddings_and_rerank_to_one_stack(stack, tmp_path):
+    """The shipped LiteLLM config with both API bases on one ember serving both models."""
+    import httpx
+    import openai
+    from server import litellm_proxy
+
+    env = {"EMBER_API_BASE": stack.url + "/v1", "EMBER_RERANK_API_BASE": stack.url, "EMBER_API_KEY": "k",
+           "LITELLM_MASTER_KEY": "sk-proxy"}  # fmt: skip
+    with litellm_proxy(DEPLOY / "compose" / "config.yaml", env, tmp_path / "proxy.log") as base:
+        got = openai.OpenAI(base_url=base + "/v1", api_key="sk-proxy").embeddings.create(
+            model="all-minilm", input=["one pod"], encoding_format="float"
+        )
+        body = {"model": "bge-reranker", "query": "what is ember?", "documents": ["a server", "a fire"]}
+        via = httpx.post(base + "/rerank", json=body, headers={"Authorization": "Bearer sk-proxy"}, timeout=60)
+    direct = httpx.post(stack.url + "/rerank", json=body, headers={"Authorization": "Bearer k"}).json()
+    assert len(got.data[0].embedding) == 32
+    assert via.status_code == 200, via.text
+    scores = {r["index"]: r["relevance_score"] for r in via.json()["results"]}
+    assert scores == pytest.approx({r["index"]: r["relevance_score"] for r in direct["results"]}, abs=1e-6)

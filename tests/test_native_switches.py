@@ -38,7 +38,7 @@ def test_each_switch_keeps_its_kernel_out_and_the_fallback_serves(tmp_path):
         srv.stop()
     for kernel, switch in SWITCHES.items():
         assert kernels[kernel]["active"] is False and f"disabled by {switch}=0" in kernels[kernel]["detail"]
-        assert f'ember_kernel_active{{kernel="{kernel}"}} 0.0' in metrics
+        assert f'ember_kernel_active{{kernel="{kernel}",model_name="{model}"}} 0.0' in metrics
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
     assert not (tmp_path / "cache").exists()  # nothing was built
     assert "disabled by EMBER_NATIVE_ATTENTION=0" in (tmp_path / "log").read_text()  # and the log says so

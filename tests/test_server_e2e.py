@@ -196,7 +196,7 @@ def test_bundled_default_model_serves_with_no_model_named(tmp_path):
 
 def _metric(url, name):
     text = httpx.get(url + "/metrics").text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith((name + " ", name + "{"))))
 
 
 def test_a_disconnected_client_s_work_is_dropped_before_it_is_computed(model_dir, tmp_path):

@@ -15,6 +15,7 @@ from ember.resources import CpuBudget, MemoryBudget, parse_cpu_list
 __all__ = [
     "OUTPUT_VALUE_BYTES",
     "MemoryPlan",
+    "SharedMemory",
     "ThreadPlan",
     "activation_bytes_per_token",
     "flops_per_token",
@@ -104,6 +105,18 @@ def activation_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
+class SharedMemory:
+    """A model's neighbours in one server: they share its memory budget and its one model thread."""
+
+    others_bytes: int = 0
+    """The other models' weights and fixed buffers."""
+    batch_bytes: int = 0
+    """The activations of the largest batch any of them runs (one batch runs at a time)."""
+    share: float = 1.0
+    """This model's share of the memory left for queued work and answers."""
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     budget_bytes: int
     weights_bytes: int
@@ -114,12 +127,15 @@ class MemoryPlan:
     source: str
     max_queued_vectors: int | None = None
     """Most answer vectors held at once (queued inputs, tokens of token_embed requests); None: unbounded."""
+    others_bytes: int = 0
+    """What the other models of the server hold (weights and fixed buffers)."""
 
     def describe(self) -> str:
         vectors = f", answers of up to {self.max_queued_vectors} vectors" if self.max_queued_vectors else ""
+        others = f", other models {self.others_bytes / GIB:.2f} GiB" if self.others_bytes else ""
         return (
             f"memory budget {self.budget_bytes / GIB:.2f} GiB ({self.source}): "
-            f"weights {self.weights_bytes / GIB:.2f} GiB, "
+            f"weights {self.weights_bytes / GIB:.2f} GiB{others}, "
             f"runtime {RUNTIME_BYTES / GIB:.2f} GiB, {self.per_token_bytes / 1024:.0f} KiB per batched token "
             f"-> batches of up to {self.max_batch_tokens} tokens, {self.max_queued_tokens} tokens queued{vectors}"
         )
@@ -138,37 +154,46 @@ def plan_memory(
     dtype_bytes: int = 2,
     dimension: int = 0,
     int8_weights_bytes: int | None = None,
+    shared: SharedMemory | None = None,
 ) -> MemoryPlan:
     """Fit the batch and queue token budgets into the memory limit, or refuse with what would fit. With the
     model's output `dimension`, half of what is left for the queue holds answers: the most vectors queued requests
     may ask for (each dimension x OUTPUT_VALUE_BYTES), so a queue of one-token inputs cannot outgrow memory.
-    `int8_weights_bytes`: what the weights would take with --quantization int8, named in the refusal if it fits."""
+    `int8_weights_bytes`: what the weights would take with --quantization int8, named in the refusal if it fits.
+    `shared`: the other models one server runs beside this one (their weights held, the largest of their batches,
+    this model's share of the queue memory)."""
+    shared = shared or SharedMemory()
     available = limit_override or memory.available_bytes
     parts = memory.source.split("; ")
     source = "--memory-limit" if limit_override else parts[0] if memory.limit_bytes else parts[-1]
     budget = int(available * SAFETY)
-    left = budget - RUNTIME_BYTES - weights_bytes - fixed_bytes
+    left = budget - RUNTIME_BYTES - weights_bytes - fixed_bytes - shared.others_bytes
     need_one = per_token_bytes * max_model_len
     if left < need_one:
-        need = RUNTIME_BYTES + weights_bytes + fixed_bytes + need_one
+        need = RUNTIME_BYTES + weights_bytes + fixed_bytes + need_one + shared.others_bytes
         hints = ["--dtype bfloat16 (half the memory of float32)"] if dtype_bytes == 4 else []
         if int8_weights_bytes is not None and left + weights_bytes - int8_weights_bytes >= need_one:
             hints.insert(0, f"--quantization int8 (weights {int8_weights_bytes / GIB:.2f} GiB; it fits)")
         hints += ["a smaller --max-model-len with chunked processing", "a smaller model"]
         raise ConfigError(
             f"the model does not fit: it needs about {need / GIB:.2f} GiB (weights {weights_bytes / GIB:.2f} GiB, "
-            f"one {max_model_len}-token input {need_one / GIB:.2f} GiB, runtime {RUNTIME_BYTES / GIB:.2f} GiB) "
+            f"one {max_model_len}-token input {need_one / GIB:.2f} GiB, runtime {RUNTIME_BYTES / GIB:.2f} GiB"
+            + (f", the other models {shared.others_bytes / GIB:.2f} GiB" if shared.others_bytes else "")
+            + ") "
             f"but {budget / GIB:.2f} GiB is available ({source}, {SAFETY:.0%} of it). Try " + ", or ".join(hints)
         )
     batch = max(1, min(batch_tokens, left // per_token_bytes))
     # A window longer than the batch budget runs alone, so the peak is the larger of the two.
-    left_for_queue = left - max(batch, max_model_len) * per_token_bytes
+    # one batch runs at a time, whichever model's: the queues share what the largest batch leaves
+    left_for_queue = int((left - max(max(batch, max_model_len) * per_token_bytes, shared.batch_bytes)) * shared.share)
     vectors = None
     if dimension:
         vectors = max(1, left_for_queue // 2 // (dimension * OUTPUT_VALUE_BYTES))
         left_for_queue -= vectors * dimension * OUTPUT_VALUE_BYTES
     queue = max(max_model_len, min(queued_tokens, left_for_queue // QUEUED_TOKEN_BYTES))
-    return MemoryPlan(budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source, vectors)
+    return MemoryPlan(
+        budget, weights_bytes, per_token_bytes, fixed_bytes, batch, queue, source, vectors, shared.others_bytes
+    )
 
 
 def flops_per_token(config: dict[str, Any], seq_len: int, causal: bool) -> float:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -12,13 +13,14 @@ from fastapi_offline import FastAPIOffline
 from starlette.middleware.cors import CORSMiddleware
 
 from ember.api.cohere import cohere
+from ember.api.context import Context, Served
 from ember.api.errors import install_error_handlers
 from ember.api.invocations import invocations
 from ember.api.metrics import Metrics
 from ember.api.middleware import EdgeMiddleware
 from ember.api.openapi import install_openapi
 from ember.api.pooling import pooling
-from ember.api.routes import Context, inference, probes
+from ember.api.routes import inference, probes
 from ember.api.scoring import scoring
 from ember.api.sparse import sparse
 from ember.config import ServerConfig
@@ -38,17 +40,18 @@ def max_body_values(engine: AsyncEngine, config: ServerConfig) -> int:
     return engine.config.max_queued_tokens + 8 * config.max_inputs_per_request + 4096
 
 
-def _watch(metrics: Metrics, engine: AsyncEngine, config: ServerConfig) -> None:
-    """The engine's gauges read at scrape time, its batches observed as they end."""
-    metrics.watch(metrics.queued_requests, lambda: engine.queued_requests)
-    metrics.watch(metrics.queued_tokens, lambda: engine.queued_tokens)
-    metrics.watch(metrics.running_seqs, lambda: engine.running_seqs)
-    metrics.watch(metrics.running_tokens, lambda: engine.running_tokens)
+def _watch(metrics: Metrics, served: Served, config: ServerConfig) -> None:
+    """A model's engine gauges read at scrape time, its batches observed as they end."""
+    engine, name = served.engine, served.name
+    metrics.watch(metrics.queued_requests, name, lambda: engine.queued_requests)
+    metrics.watch(metrics.queued_tokens, name, lambda: engine.queued_tokens)
+    metrics.watch(metrics.running_seqs, name, lambda: engine.running_seqs)
+    metrics.watch(metrics.running_tokens, name, lambda: engine.running_tokens)
     metrics.memory_budget.set(config.memory_budget_bytes)
-    metrics.watch_kernels(lambda: {k.name: k.active for k in engine.kernels.values()})
+    metrics.watch_kernels(name, lambda: {k.name: k.active for k in engine.kernels.values()})
     cache = engine.cache
-    metrics.watch_cache(lambda: None if cache is None else (cache.hits, cache.misses, cache.bytes, len(cache)))
-    engine.observer = metrics.observe_batch
+    metrics.watch_cache(name, lambda: None if cache is None else (cache.hits, cache.misses, cache.bytes, len(cache)))
+    engine.observer = metrics.batch_observer(name)
 
 
 def create_app(
@@ -59,19 +62,23 @@ def create_app(
     cors: dict[str, Any] | None = None,
     docs: bool = True,
     tracing: Tracing | None = None,
+    more: Sequence[Served] = (),
 ) -> FastAPI:
-    """The HTTP app; starting it starts the engine, stopping it drains the engine. `cors`: Starlette CORSMiddleware's
-    settings (None: no cross-origin answers); `docs`: serve /docs, /redoc and /openapi.json; `tracing`: each
-    request's spans to an OTLP collector (flushed when the app stops)."""
+    """The HTTP app; starting it starts the engines, stopping it drains them. `engine` runs the model named by
+    config.served_model_names (the one requests without `model` get); `more`: further models, routed by the names
+    requests send. `cors`: Starlette CORSMiddleware's settings (None: no cross-origin answers); `docs`: serve /docs,
+    /redoc and /openapi.json; `tracing`: each request's spans to an OTLP collector (flushed when the app stops)."""
     metrics = metrics or Metrics()
+    models = (Served(engine, config.served_model_names, config.model_path), *more)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        for served in models:
+            await served.engine.start()
         try:
             yield
         finally:
-            await engine.stop(config.shutdown_grace_seconds)
+            await asyncio.gather(*(m.engine.stop(config.shutdown_grace_seconds) for m in models))
             if tracing is not None:
                 tracing.shutdown()
 
@@ -85,8 +92,9 @@ def create_app(
         redirect_slashes=False,  # the edge serves /path/ as /path: a redirect would echo the client's Host header
         **pages,
     )
-    app.state.ctx = Context(engine, config, metrics, created=int(time.time()))
-    _watch(metrics, engine, config)
+    app.state.ctx = Context(models, config, metrics, created=int(time.time()))
+    for served in models:
+        _watch(metrics, served, config)
     install_error_handlers(app)
     install_openapi(app)
     guarded = (inference, pooling, scoring, cohere, invocations, sparse)  # the API key guards these routes
@@ -101,7 +109,7 @@ def create_app(
         max_body_bytes=config.max_request_bytes,
         api_keys=config.api_keys,
         protected=protected,
-        max_body_values=max_body_values(engine, config),
+        max_body_values=max(max_body_values(m.engine, config) for m in models),
         hold_answer=engine.hold_answer,
         tracing=tracing,
         endpoints=endpoints,

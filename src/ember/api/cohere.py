@@ -123,7 +123,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     texts = _texts(body)
     check_count(request, len(texts), "texts" if body.texts is not None else "inputs")
     truncate, side = _truncation(body)
-    prompt = _prompt(body.input_type, context(request).engine.info.prompts)
+    prompt = _prompt(body.input_type, context(request).served(body.model).engine.info.prompts)
     params = EmbedParams(
         dimensions=body.output_dimension, truncate_prompt_tokens=truncate, truncation_side=side, **prompt
     )

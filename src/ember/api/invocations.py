@@ -41,7 +41,9 @@ async def invoke(request: Request) -> Response:
         body = json.loads(await request.body())
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past Python's limit
         raise InputError(f"JSON decode error: {e}") from None
-    scores = context(request).engine.info.task == "score"
+    model = body.get("model") if isinstance(body, dict) else None
+    served = context(request).served(model if isinstance(model, str) else None)
+    scores = served.engine.info.task == "score"
     shapes = [(kind, marks, handler) for kind, marks, handler, for_score in _SHAPES if for_score or not scores]
     if isinstance(body, dict):
         for kind, marks, handler in shapes:

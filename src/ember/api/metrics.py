@@ -1,4 +1,5 @@
-"""Prometheus metrics for one app: requests, latencies, queue, batches, tokens, memory."""
+"""Prometheus metrics for one app: requests, latencies, queue, batches, tokens, memory. Every series about a model
+carries vLLM's `model_name` label, so a server running several models reports each."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class Metrics:
     """The metrics of one server, in their own registry (so tests can build many apps)."""
 
     def __init__(self) -> None:
-        self._kernels: Callable[[], dict[str, bool]] = dict
+        self._kernels: dict[str, Callable[[], dict[str, bool]]] = {}
+        self._caches: dict[str, Callable[[], tuple[int, int, int, int] | None]] = {}
+        m = ["model_name"]
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, fds
         self.requests = Counter(
@@ -38,71 +41,102 @@ class Metrics:
         self.tokenize_time = Histogram(
             "ember_tokenization_duration_seconds",
             "Time a request spent tokenising its inputs",
+            m,
             buckets=_LATENCY,
             registry=r,
         )
         self.queue_time = Histogram(
-            "ember_queue_duration_seconds", "Time from admission to first batch", buckets=_LATENCY, registry=r
+            "ember_queue_duration_seconds", "Time from admission to first batch", m, buckets=_LATENCY, registry=r
         )
         self.inference_time = Histogram(
-            "ember_inference_duration_seconds", "Model time spent on a request's batches", buckets=_LATENCY, registry=r
+            "ember_inference_duration_seconds",
+            "Model time spent on a request's batches",
+            m,
+            buckets=_LATENCY,
+            registry=r,
         )
-        self.batch_size = Histogram("ember_batch_sequences", "Sequences per batch", buckets=_SIZES, registry=r)
-        self.batch_tokens = Histogram("ember_batch_tokens", "Tokens per batch", buckets=_TOKENS, registry=r)
+        self.batch_size = Histogram("ember_batch_sequences", "Sequences per batch", m, buckets=_SIZES, registry=r)
+        self.batch_tokens = Histogram("ember_batch_tokens", "Tokens per batch", m, buckets=_TOKENS, registry=r)
         self.batch_time = Histogram(
-            "ember_batch_duration_seconds", "Model time per batch (forward and pooling)", buckets=_LATENCY, registry=r
+            "ember_batch_duration_seconds",
+            "Model time per batch (forward and pooling)",
+            m,
+            buckets=_LATENCY,
+            registry=r,
         )
-        self.tokens = Counter("ember_prompt_tokens", "Tokens embedded", registry=r)
-        self.queued_requests = Gauge("ember_queue_requests", "Requests queued or running", registry=r)
-        self.queued_tokens = Gauge("ember_queue_tokens", "Tokens queued or running", registry=r)
-        self.running_seqs = Gauge("ember_running_batch_sequences", "Sequences in the running batch", registry=r)
-        self.running_tokens = Gauge("ember_running_batch_tokens", "Tokens in the running batch", registry=r)
+        self.tokens = Counter("ember_prompt_tokens", "Tokens embedded", m, registry=r)
+        self.queued_requests = Gauge("ember_queue_requests", "Requests queued or running", m, registry=r)
+        self.queued_tokens = Gauge("ember_queue_tokens", "Tokens queued or running", m, registry=r)
+        self.running_seqs = Gauge("ember_running_batch_sequences", "Sequences in the running batch", m, registry=r)
+        self.running_tokens = Gauge("ember_running_batch_tokens", "Tokens in the running batch", m, registry=r)
         self.memory_budget = Gauge("ember_memory_budget_bytes", "Memory budget ember sizes itself to", registry=r)
         self.kernel_active = Gauge(
             "ember_kernel_active",
             "1 where a kernel is in use (native or torch.compile's fused)",
-            ["kernel"],
+            ["kernel", "model_name"],
             registry=r,
         )
+        self.registry.register(_CacheCollector(self._caches))
 
-    def watch(self, gauge: Gauge, read: Callable[[], float]) -> None:
-        """Make `gauge` read its value from `read` at scrape time."""
-        gauge.set_function(read)
+    def watch(self, gauge: Gauge, model: str, read: Callable[[], float]) -> None:
+        """Make `gauge`'s series of `model` read its value from `read` at scrape time."""
+        gauge.labels(model).set_function(read)
 
-    def observe_batch(self, seqs: int, tokens: int, seconds: float) -> None:
-        self.batch_size.observe(seqs)
-        self.batch_tokens.observe(tokens)
-        self.batch_time.observe(seconds)
+    def batch_observer(self, model: str) -> Callable[[int, int, float], None]:
+        """What `model`'s engine calls after each batch with (sequences, tokens, seconds)."""
+        size, tokens, time_ = (
+            self.batch_size.labels(model),
+            self.batch_tokens.labels(model),
+            self.batch_time.labels(model),
+        )
 
-    def watch_kernels(self, read: Callable[[], dict[str, bool]]) -> None:
-        """Set ember_kernel_active{kernel=...} from `read` (kernel name -> active) at every scrape."""
-        self._kernels = read
+        def observe(seqs: int, n: int, seconds: float) -> None:
+            size.observe(seqs)
+            tokens.observe(n)
+            time_.observe(seconds)
 
-    def watch_cache(self, read: Callable[[], tuple[int, int, int, int] | None]) -> None:
-        """Export the embedding cache's (hits, misses, bytes, entries) as read at scrape time (None: it is off)."""
-        self.registry.register(_CacheCollector(read))
+        return observe
+
+    def watch_kernels(self, model: str, read: Callable[[], dict[str, bool]]) -> None:
+        """Set ember_kernel_active{kernel=..., model_name=model} from `read` (kernel -> active) at every scrape."""
+        self._kernels[model] = read
+
+    def watch_cache(self, model: str, read: Callable[[], tuple[int, int, int, int] | None]) -> None:
+        """Export `model`'s embedding cache's (hits, misses, bytes, entries) as read at scrape time (None: off)."""
+        self._caches[model] = read
 
     def render(self) -> bytes:
-        for name, active in self._kernels().items():
-            self.kernel_active.labels(kernel=name).set(1 if active else 0)
+        for model, read in self._kernels.items():
+            for name, active in read().items():
+                self.kernel_active.labels(kernel=name, model_name=model).set(1 if active else 0)
         return generate_latest(self.registry)
 
 
 class _CacheCollector:
-    """ember_embedding_cache_hits_total / _misses_total (counters), _bytes and _entries (gauges)."""
+    """ember_embedding_cache_hits_total / _misses_total (counters), _bytes and _entries (gauges), per model."""
 
-    def __init__(self, read: Callable[[], tuple[int, int, int, int] | None]) -> None:
-        self.read = read
+    def __init__(self, caches: dict[str, Callable[[], tuple[int, int, int, int] | None]]) -> None:
+        self.caches = caches
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
-        state = self.read()
-        if state is None:
+        families = (
+            (CounterMetricFamily, "ember_embedding_cache_hits", "Windows answered from the embedding cache"),
+            (CounterMetricFamily, "ember_embedding_cache_misses", "Windows the embedding cache did not hold"),
+            (GaugeMetricFamily, "ember_embedding_cache_bytes", "Bytes the embedding cache holds"),
+            (GaugeMetricFamily, "ember_embedding_cache_entries", "Windows the embedding cache holds"),
+        )
+        states: dict[str, tuple[int, int, int, int]] = {}
+        for model, read in self.caches.items():
+            state = read()
+            if state is not None:
+                states[model] = state
+        if not states:
             return
-        hits, misses, size, entries = state
-        yield CounterMetricFamily("ember_embedding_cache_hits", "Windows answered from the embedding cache", hits)
-        yield CounterMetricFamily("ember_embedding_cache_misses", "Windows the embedding cache did not hold", misses)
-        yield GaugeMetricFamily("ember_embedding_cache_bytes", "Bytes the embedding cache holds", size)
-        yield GaugeMetricFamily("ember_embedding_cache_entries", "Windows the embedding cache holds", entries)
+        for at, (kind, name, text) in enumerate(families):
+            family = kind(name, text, labels=["model_name"])
+            for model, state in states.items():
+                family.add_metric([model], state[at])
+            yield family

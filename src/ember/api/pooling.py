@@ -38,7 +38,7 @@ def pooling_tasks(info: ModelInfo) -> tuple[str, ...]:
 async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     """`task` (vLLM's) defaults to --pooler-config's task, else embed. A task the model cannot do is refused with
     vLLM's message."""
-    engine = context(request).engine
+    engine = context(request).served(body.model).engine
     supported = pooling_tasks(engine.info)
     task = body.task or engine.preprocessor.pooler.task or "embed"
     if task in REMOVED_TASKS:
@@ -71,7 +71,7 @@ async def _sparse_weights(request: Request, body: PoolingRequest) -> Response:
         if getattr(body, field) not in unset:
             raise InputError(f"token_classify answers with JSON numbers: leave {field} unset", field)
     check_count(request, input_count(body.input), "input")
-    engine = context(request).engine
+    engine = context(request).served(body.model).engine
     params = embed_params(body, sparse_output(engine.info) or "token_classify")
     ctx, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)

@@ -10,13 +10,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from ember.api.context import Context, Served, context
 from ember.api.encoding import bytes_response, check_metadata, encode, quantize
-from ember.api.metrics import Metrics
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
     DetokenizeRequest,
@@ -27,7 +26,6 @@ from ember.api.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.engine.scheduler import BatchSpan
 from ember.errors import InputError, RequestTooLargeError
@@ -46,29 +44,6 @@ __all__ = [
     "probes",
     "vectors_response",
 ]
-
-
-@dataclass
-class Context:
-    """What the handlers need, stored on app.state.ctx by create_app."""
-
-    engine: AsyncEngine
-    config: ServerConfig
-    metrics: Metrics
-    created: int
-
-    @property
-    def model_name(self) -> str:
-        return self.config.served_model_names[0]
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_model_names:
-            raise HTTPException(404, f"The model `{model}` does not exist.")
-
-
-def context(request: Request) -> Context:
-    ctx: Context = request.app.state.ctx
-    return ctx
 
 
 inference = APIRouter()
@@ -174,22 +149,23 @@ async def engine_call(
     times (for the access log, the timing headers, traces and /metrics: EdgeMiddleware reads them from the request's
     state); returns the context, the result and its tokens."""
     ctx = context(request)
-    ctx.check_model(model)
+    served = ctx.served(model)
     timeout = client_timeout(request)
     state = request.state
-    state.model, state.engine_started = model or ctx.model_name, time.monotonic()
+    state.model, state.engine_started = served.name, time.monotonic()
     try:
-        result: R = await until_disconnect(request, work(ctx.engine, timeout))
+        result: R = await until_disconnect(request, work(served.engine, timeout))
     except ClientGone:
         raise HTTPException(499, "client closed the request") from None
     tokens = sum(result.token_counts)
     state.engine_done, state.tokens, state.batches = time.monotonic(), tokens, result.batches
     state.queue_seconds, state.inference_seconds = result.queue_seconds, result.inference_seconds
     state.tokenize_seconds = result.tokenize_seconds
-    ctx.metrics.tokens.inc(tokens)
-    ctx.metrics.tokenize_time.observe(result.tokenize_seconds)
-    ctx.metrics.queue_time.observe(result.queue_seconds)
-    ctx.metrics.inference_time.observe(result.inference_seconds)
+    m, name = ctx.metrics, served.name
+    m.tokens.labels(name).inc(tokens)
+    m.tokenize_time.labels(name).observe(result.tokenize_seconds)
+    m.queue_time.labels(name).observe(result.queue_seconds)
+    m.inference_time.labels(name).observe(result.inference_seconds)
     return ctx, result, tokens
 
 
@@ -229,7 +205,7 @@ def envelope(ctx: Context, request: Request, prefix: str, data: list[dict[str, A
         "id": f"{prefix}-{request.state.request_id}",
         "object": "list",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": getattr(request.state, "model", None) or ctx.model_name,
         "data": data,
         "usage": usage(tokens),
     }
@@ -244,11 +220,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 @inference.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    ctx = context(request)
-    ctx.check_model(body.model)
-    tok = ctx.engine.tokenizer
-    ids: list[int] = await ctx.engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
-    limit = ctx.engine.config.max_queued_tokens
+    engine = context(request).served(body.model).engine
+    tok = engine.tokenizer
+    ids: list[int] = await engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
+    limit = engine.config.max_queued_tokens
     if len(ids) > limit:  # the same bound as one embedding request, before the token strings and the JSON
         raise RequestTooLargeError(
             f"this prompt holds {len(ids)} tokens, more than one request may ({limit}, --max-queued-tokens as the "
@@ -256,40 +231,41 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             "prompt",
         )
     strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.info.max_model_len, tokens=ids, token_strs=strs)
+    return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
 
 
 @inference.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    ctx = context(request)
-    ctx.check_model(body.model)
-    text: str = await ctx.engine.run_in_tokenizer(ctx.engine.tokenizer.decode, body.tokens)
+    engine = context(request).served(body.model).engine
+    text: str = await engine.run_in_tokenizer(engine.tokenizer.decode, body.tokens)
     return DetokenizeResponse(prompt=text)
 
 
 @inference.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, Any]:
+    """Every name of every model, each with its task."""
     ctx = context(request)
-    card = {
-        "object": "model",
-        "created": ctx.created,
-        "owned_by": "ember",
-        "root": ctx.config.model_path or ctx.model_name,
-        "parent": None,
-        "max_model_len": ctx.engine.info.max_model_len,
-        "task": ctx.engine.info.task,
-        "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": ctx.created}],
-    }
-    return {"object": "list", "data": [{"id": name, **card} for name in ctx.config.served_model_names]}
+    data = []
+    for served in ctx.models:
+        info = served.engine.info
+        for name in served.names:
+            card = {"id": name, "object": "model", "created": ctx.created, "owned_by": "ember"}
+            card |= {"root": served.path or served.name, "parent": None, "max_model_len": info.max_model_len}
+            data.append(card | {"task": info.task, "permission": [_permission(ctx.created)]})
+    return {"object": "list", "data": data}
+
+
+def _permission(created: int) -> dict[str, Any]:
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created}
 
 
 @probes.get("/health")
 @probes.get("/ping")
 @probes.post("/ping")
 async def health(request: Request) -> Response:
-    """200 while the engine can embed; 503 once it cannot (or while draining)."""
-    engine = context(request).engine
-    return Response(status_code=200 if engine.alive and not engine.closing else 503)
+    """200 while every model's engine can run; 503 once one cannot (or while draining)."""
+    ready = all(e.alive and not e.closing for e in context(request).engines)
+    return Response(status_code=200 if ready else 503)
 
 
 @probes.get("/version")
@@ -299,18 +275,23 @@ async def version() -> dict[str, str]:
 
 @probes.get("/info")
 async def info(request: Request) -> dict[str, Any]:
-    """What this server runs: the model, its task and dtype, and which kernels are active and why."""
-    ctx = context(request)
-    model = ctx.engine.info
+    """What this server runs: each model, its task and dtype, and which kernels are active and why (the first
+    model's fields at the top level, as a single-model server reports them)."""
+    models = [_card(served) for served in context(request).models]
+    return {"version": __version__, **models[0], "models": models}
+
+
+def _card(served: Served) -> dict[str, Any]:
+    model, engine = served.engine.info, served.engine
     return {
-        "version": __version__,
-        "model": ctx.model_name,
+        "model": served.name,
         "architecture": model.architecture,
         "task": model.task,
+        "outputs": list(model.head.outputs),
         "dtype": model.dtype,
         "dimension": model.dimension,
         "max_model_len": model.max_model_len,
-        "kernels": {k.name: {"active": k.active, "detail": k.detail} for k in ctx.engine.kernels.values()},
+        "kernels": {k.name: {"active": k.active, "detail": k.detail} for k in engine.kernels.values()},
     }
 
 

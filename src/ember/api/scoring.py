@@ -36,7 +36,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     texts = [_text(d) for d in body.documents]
     params = ScoreParams(body.truncate_prompt_tokens, body.max_tokens_per_doc, body.use_activation, body.instruction)
     pairs = [(body.query, t) for t in texts]
-    ctx, result, tokens = await engine_call(
+    _, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
     )
     order = sorted(range(len(texts)), key=lambda i: -result.scores[i])[: body.top_n or None]
@@ -48,7 +48,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     return JSONBytes(
         {
             "id": f"rerank-{request.state.request_id}",
-            "model": ctx.model_name,
+            "model": request.state.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             "results": results,
             "meta": {"api_version": {"version": "2"}, "billed_units": {"total_tokens": tokens, "search_units": 1}},
@@ -84,7 +84,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     params = ScoreParams(body.truncate_prompt_tokens, None, body.use_activation, body.instruction)
     pairs = _pairs(body)
     check_count(request, len(pairs), "text_2")
-    ctx, result, tokens = await engine_call(
+    _, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
     )
     return JSONBytes(
@@ -92,7 +92,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
             "id": f"score-{request.state.request_id}",
             "object": "list",
             "created": int(time.time()),
-            "model": ctx.model_name,
+            "model": request.state.model,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
             "usage": usage(tokens),
         }

@@ -65,11 +65,12 @@ def token_entries(
 @sparse.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     """Sparse weights per input, non-zero ones only, as TEI's `{index, value}` pairs."""
-    engine = context(request).engine
+    served = context(request).served(body.model)
+    engine = served.engine
     output = sparse_output(engine.info)
     if output is None:
         raise InputError(
-            f"this model ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
+            f"model {served.name!r} ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
             "a sparse model (SPLADE, or bge-m3 with its sparse head)",
             "inputs",
         )

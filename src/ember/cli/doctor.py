@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ember.cli.model_flags import add_model_flags, model_config
+from ember.cli.model_flags import add_model_flags, add_models_flag, model_configs
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
 from ember.hardware import amx_granted, auto_dtype, cpu_flags, has_fast_bf16, isa_tier, usable_cpu_flags
@@ -26,6 +26,7 @@ def add_parser(sub: Any) -> None:
         "doctor", allow_abbrev=False, help="report CPU, limits, threads, dtype and what a model needs here"
     )
     add_model_flags(p)  # every model flag `ember serve` takes, so doctor plans exactly what serve would
+    add_models_flag(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -121,26 +122,32 @@ def _dtype_warning(gflops: dict[str, float]) -> str | None:
     return None
 
 
-def _model(args: argparse.Namespace, gflops: dict[str, float]) -> dict[str, Any]:
-    from ember.engine.build import plan
+def _models(args: argparse.Namespace, gflops: dict[str, float]) -> list[dict[str, Any]]:
+    """The plan `ember serve` makes with these flags (and --models): one memory plan over every model."""
+    from ember.engine.build import plan_models
     from ember.sizing import flops_per_token
 
-    config = model_config(args)
-    p = plan(config)
-    per_token = flops_per_token(p.hf_config, 512, p.cls.is_decoder)
-    rate = gflops["bfloat16" if p.dtype.itemsize == 2 else "float32"]
-    return {
-        "path": str(p.path),
-        "architecture": p.architecture,
-        "task": p.cls.task,
-        "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if config.quantization else ""),
-        "max_model_len": p.max_model_len,
-        "weights_bytes": p.memory.weights_bytes,
-        "memory_plan": p.memory.describe(),
-        "max_batch_tokens": p.memory.max_batch_tokens,
-        "gflop_per_token_at_512": round(per_token / 1e9, 3),
-        "compute_limit_tokens_per_s": round(rate * 1e9 / per_token),
-    }
+    plans = plan_models([config for config, _, _ in model_configs(args)])
+    out = []
+    for p in plans:
+        per_token = flops_per_token(p.hf_config, 512, p.cls.is_decoder)
+        rate = gflops["bfloat16" if p.dtype.itemsize == 2 else "float32"]
+        out.append(
+            {
+                "name": p.name,
+                "path": str(p.path),
+                "architecture": p.architecture,
+                "task": p.cls.task,
+                "dtype": str(p.dtype).removeprefix("torch.") + (" (int8 weights)" if p.config.quantization else ""),
+                "max_model_len": p.max_model_len,
+                "weights_bytes": p.memory.weights_bytes,
+                "memory_plan": p.memory.describe(),
+                "max_batch_tokens": p.memory.max_batch_tokens,
+                "gflop_per_token_at_512": round(per_token / 1e9, 3),
+                "compute_limit_tokens_per_s": round(rate * 1e9 / per_token),
+            }
+        )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +165,10 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             report["warnings"] = [warning]
         try:  # the same plan `ember serve` makes: what it would refuse, doctor reports as a problem
-            report["model"] = _model(args, report["gemm_gflops"])
+            models = _models(args, report["gemm_gflops"])
+            report["model"] = models[0]  # the first (or only) model, where a single-model report has it
+            if len(models) > 1:
+                report["models"] = {m["name"]: m for m in models}
         except EmberError as e:
             problems.append(str(e))
     except EmberError as e:

@@ -12,7 +12,7 @@ import os
 
 from ember.cli.fields import add_field_flag, field_default
 from ember.cli.frontend import add_frontend_flags
-from ember.cli.model_flags import add_model_flags
+from ember.cli.model_flags import add_model_flags, add_models_flag
 from ember.config import EngineConfig, ServerConfig
 from ember.errors import ConfigError
 
@@ -65,6 +65,7 @@ _IGNORED_SWITCHES = {
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
+    add_models_flag(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

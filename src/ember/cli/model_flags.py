@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
+
+import yaml
 
 from ember.cli.fields import add_field_flag
 from ember.cli.runtime import parse_bytes
 from ember.config import EngineConfig, ModelConfig, PoolerConfig, check_dtype, parse_json_object
 from ember.errors import ConfigError
 
-__all__ = ["MODEL_KEYS", "add_model_flags", "model_config", "parse_size", "truncate"]
+__all__ = [
+    "MODEL_KEYS",
+    "add_model_flags",
+    "add_models_flag",
+    "model_config",
+    "model_configs",
+    "parse_size",
+    "read_models_file",
+    "truncate",
+]
 
 MODEL_KEYS = (
     "model",
@@ -71,6 +83,35 @@ def add_model_flags(p: argparse.ArgumentParser, *, positional: bool = True) -> N
     add_field_flag(p, "--truncate", EngineConfig, "auto_truncate", action="store_true", default=False)
 
 
+def add_models_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--models",
+        default=None,
+        metavar="FILE",
+        help="more models to serve beside the first (the positional one or the default): a YAML list, one mapping per "
+        "model with the model flags' names in underscores (model, served_model_name, dtype, quantization, "
+        "max_model_len, pooler_config, hf_overrides, revision, truncate ...)",
+    )
+
+
+def model_configs(args: argparse.Namespace) -> list[tuple[ModelConfig, bool, tuple[str, ...]]]:
+    """Every model a command line asks for, in order: the flags' model, then --models' entries; each with whether
+    it truncates and the extra names it is served under."""
+    entries: list[argparse.Namespace | Mapping[str, Any]] = [args]
+    entries += read_models_file(args.models) if args.models else []
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            config = model_config(entry)
+        except ConfigError as e:
+            raise ConfigError(f"--models {args.models}, entry {i}: {e}" if i else str(e)) from None
+        v = vars(entry) if isinstance(entry, argparse.Namespace) else entry
+        names = v.get("served_model_name")
+        names = [names] if isinstance(names, str) else list(names or [])
+        out.append((config, truncate(entry), tuple(names[1:])))
+    return out
+
+
 def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig the model flags ask for (None or absent: the field's default). Values may be the flags' text
     or already typed (a YAML entry's numbers, mappings and lists)."""
@@ -118,3 +159,23 @@ def _mapping(raw: str | Mapping[str, Any] | None, flag: str) -> dict[str, Any] |
     if isinstance(raw, Mapping):
         return dict(raw)
     return parse_json_object(str(raw), flag)
+
+
+def read_models_file(path: str) -> list[dict[str, Any]]:
+    """`--models FILE`: a YAML list, one mapping per model, whose keys are the model flags with underscores
+    (`model` required); each is checked here, so a typo stops the start naming the entry and the key."""
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"--models {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--models {path} is not valid YAML: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"--models {path} must be a YAML list with one entry per model, e.g. - model: BAAI/bge-m3")
+    for i, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise ConfigError(f"--models {path}, entry {i}: a mapping with `model` (a local directory or hub id)")
+        unknown = sorted(set(entry) - set(MODEL_KEYS))
+        if unknown:
+            raise ConfigError(f"--models {path}, entry {i}: unknown key(s) {unknown}; known: {', '.join(MODEL_KEYS)}")
+    return entries

@@ -12,7 +12,8 @@ import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -26,7 +27,7 @@ from ember.cli.flags import (
     warn_ignored,
 )
 from ember.cli.logs import setup_logging
-from ember.cli.model_flags import model_config, truncate
+from ember.cli.model_flags import model_configs, truncate
 from ember.cli.runtime import (
     connection_limit,
     maybe_reexec_with_allocator,
@@ -35,7 +36,10 @@ from ember.cli.runtime import (
     prepare_process,
 )
 from ember.config import EngineConfig, ServerConfig
-from ember.errors import EmberError
+from ember.errors import ConfigError, EmberError
+
+if TYPE_CHECKING:
+    from ember.engine.engine import AsyncEngine
 
 __all__ = ["add_parser", "run"]
 
@@ -107,9 +111,9 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
     """The wiring, in order: model (tokenizer, weights, memory plan), engine, server configuration, app, uvicorn."""
     # torch is imported only now, after prepare_process has set the threads and the allocator
     from ember.api.app import create_app
+    from ember.api.context import Served
     from ember.api.transport import guarded_protocol
     from ember.cli.frontend import frontend
-    from ember.engine.build import build_engine, load
     from ember.engine.cpu import set_threads
 
     set_threads(threads)
@@ -123,17 +127,13 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
 
         tracing = Tracing(endpoint, otel_service_name())
         log.info("tracing: each request's spans to %s", tracing.url)
-    config = model_config(args)
-    # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
-    # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
-    with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
-        loaded = loader.submit(load, config, native_config()).result()
-    engine = build_engine(loaded, _engine_config(args), tokenizer_threads=min(threads, 4))
-    names = (loaded.info.name, *(args.served_model_name or [])[1:])
-    server = _server_config(args, names, str(loaded.plan.path), loaded.memory.budget_bytes)
-    app = create_app(engine, server, cors=front.cors, docs=front.docs, tracing=tracing)
+    served = _models(args, threads)
+    first = served[0]
+    server = _server_config(args, first.names, first.path, first.engine_memory)
+    more = [Served(m.engine, m.names, m.path) for m in served[1:]]
+    app = create_app(first.engine, server, cors=front.cors, docs=front.docs, tracing=tracing, more=more)
     where = f"unix socket {args.uds}" if args.uds else f"{front.scheme}://{args.host}:{args.port}"
-    log.info("serving %s on %s%s", names[0], where, front.uvicorn.get("root_path", ""))
+    log.info("serving %s on %s%s", ", ".join(m.names[0] for m in served), where, front.uvicorn.get("root_path", ""))
     if not server.api_keys:
         log.warning(
             "no API key: any client that reaches this port may use it (--api-key or EMBER_API_KEY requires one)"
@@ -151,13 +151,55 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         http=guarded_protocol(connections, args.http_read_timeout, args.http_write_timeout),
         **front.uvicorn,
     )
-    server_ = _Server(uvicorn_config, on_exit=lambda: engine.drain(args.shutdown_grace))
+    engines = [m.engine for m in served]
+
+    def drain() -> None:
+        for engine in engines:
+            engine.drain(args.shutdown_grace)
+
+    server_ = _Server(uvicorn_config, on_exit=drain)
     server_.run()
-    if engine.model_busy:  # a batch nobody will receive is still running: do not wait for it to exit
+    if any(e.model_busy for e in engines):  # a batch nobody will receive is still running: do not wait for it to exit
         log.info("exiting with a batch still on the model thread (its requests were answered 503)")
         logging.shutdown()
         os._exit(0)
     return 0
+
+
+@dataclass(frozen=True)
+class _Model:
+    engine: AsyncEngine
+    names: tuple[str, ...]
+    path: str
+    engine_memory: int
+
+
+def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
+    """Every model asked for (the flags' model, then --models' entries), planned together in one memory plan,
+    loaded, and given engines that share the model thread."""
+    from ember.engine.build import build_engines, load, plan_models
+
+    wanted = model_configs(args)
+    plans = plan_models([config for config, _, _ in wanted])
+    # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
+    # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
+    with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
+        loaded = [loader.submit(load, p.config, native_config(), planned=p).result() for p in plans]
+    base = _engine_config(args)
+    engines = build_engines(
+        [(m, replace(base, auto_truncate=cut)) for m, (_, cut, _) in zip(loaded, wanted, strict=True)],
+        tokenizer_threads=min(threads, 4),
+    )
+    models = [
+        _Model(engine, (m.info.name, *extra), str(m.plan.path), m.memory.budget_bytes)
+        for engine, m, (_, _, extra) in zip(engines, loaded, wanted, strict=True)
+    ]
+    seen: dict[str, str] = {}
+    for model in models:
+        for name in model.names:
+            if seen.setdefault(name, model.names[0]) != model.names[0]:
+                raise ConfigError(f"two models are served as {name!r}: give each its own served_model_name")
+    return models
 
 
 class _Server(uvicorn.Server):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ember.config import EngineConfig, ModelConfig, NativeConfig
 from ember.engine.cpu import torch_dtype
 from ember.engine.engine import AsyncEngine
 from ember.engine.runner import TorchRunner
+from ember.engine.turns import Turns
 from ember.errors import CheckpointError, ConfigError
 from ember.models.base import Architecture
 from ember.models.checkpoint import (
@@ -40,11 +42,11 @@ from ember.ops.native import may_build
 from ember.ops.quant import int8_targets, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
-from ember.sizing import OUTPUT_VALUE_BYTES, MemoryPlan, activation_bytes_per_token, plan_memory
+from ember.sizing import OUTPUT_VALUE_BYTES, MemoryPlan, SharedMemory, activation_bytes_per_token, plan_memory
 from ember.tokenizer import Tokenizer
 from ember.types import ModelInfo, PoolingSpec
 
-__all__ = ["Loaded", "ModelPlan", "build_engine", "load", "plan"]
+__all__ = ["Loaded", "ModelPlan", "build_engine", "build_engines", "load", "plan", "plan_models"]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,9 @@ class Loaded:
         return self.plan.memory
 
 
-def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
-    """Decide everything about loading `config.model` and check it fits, reading no weight."""
+def plan(config: ModelConfig, memory: MemoryBudget | None = None, shared: SharedMemory | None = None) -> ModelPlan:
+    """Decide everything about loading `config.model` and check it fits (beside the `shared` neighbours of a
+    server running several models), reading no weight."""
     path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
     st = read_st_modules(path)
@@ -118,8 +121,30 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None) -> ModelPlan:
         dtype_bytes=size,
         dimension=answer_width,
         int8_weights_bytes=None if config.quantization else int8_weights,
+        shared=shared,
     )
     return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan)
+
+
+def plan_models(configs: list[ModelConfig], memory: MemoryBudget | None = None) -> list[ModelPlan]:
+    """One memory plan over the models one server runs: each fits beside the others' weights, the largest batch
+    of any (one runs at a time) and an equal share of the queue memory; a refusal names the model."""
+    memory = memory or memory_budget()
+    alone = [_named(c, memory) for c in configs]
+    if len(alone) == 1:
+        return alone
+    held = [p.memory.weights_bytes + p.memory.fixed_bytes for p in alone]
+    batch = max(max(p.memory.max_batch_tokens, p.max_model_len) * p.memory.per_token_bytes for p in alone)
+    share = 1 / len(configs)
+    return [_named(c, memory, SharedMemory(sum(held) - held[i], batch, share)) for i, c in enumerate(configs)]
+
+
+def _named(config: ModelConfig, memory: MemoryBudget, shared: SharedMemory | None = None) -> ModelPlan:
+    """plan(), its refusal naming the model."""
+    try:
+        return plan(config, memory, shared)
+    except ConfigError as e:
+        raise ConfigError(f"model {config.served_name or config.model or DEFAULT_MODEL}: {e}") from None
 
 
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
@@ -130,10 +155,17 @@ def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int
     return min(positions, st_max) if st_max else positions
 
 
-def load(config: ModelConfig, native: NativeConfig | None = None, memory: MemoryBudget | None = None) -> Loaded:
-    """Load `config.model` (local directory, hub id, or None for the bundled default)."""
+def load(
+    config: ModelConfig,
+    native: NativeConfig | None = None,
+    memory: MemoryBudget | None = None,
+    *,
+    planned: ModelPlan | None = None,
+) -> Loaded:
+    """Load `config.model` (local directory, hub id, or None for the bundled default), by `planned` when it was
+    planned already (plan_models)."""
     start = time.perf_counter()
-    p = plan(config, memory)
+    p = planned or plan(config, memory)
     score = p.cls.task == "score"
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
@@ -220,7 +252,27 @@ def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
     return net.eval().requires_grad_(False)
 
 
-def build_engine(loaded: Loaded, config: EngineConfig | None = None, *, tokenizer_threads: int = 1) -> AsyncEngine:
+def build_engines(models: list[tuple[Loaded, EngineConfig]], *, tokenizer_threads: int = 1) -> list[AsyncEngine]:
+    """The engines of a server's models: several share one model thread (its OpenMP pool is the only compute pool)
+    and take turns on it by earliest deadline (ember.engine.turns)."""
+    if len(models) == 1:
+        loaded, config = models[0]
+        return [build_engine(loaded, config, tokenizer_threads=tokenizer_threads)]
+    thread, turns = ThreadPoolExecutor(1, thread_name_prefix="ember-model"), Turns()
+    return [
+        build_engine(loaded, config, tokenizer_threads=tokenizer_threads, model_thread=thread, turns=turns)
+        for loaded, config in models
+    ]
+
+
+def build_engine(
+    loaded: Loaded,
+    config: EngineConfig | None = None,
+    *,
+    tokenizer_threads: int = 1,
+    model_thread: ThreadPoolExecutor | None = None,
+    turns: Turns | None = None,
+) -> AsyncEngine:
     """The async engine over a loaded model, its batch and queue budgets those the memory plan allows (it warms
     the model up on its own thread when started)."""
     config = config or EngineConfig()
@@ -237,4 +289,12 @@ def build_engine(loaded: Loaded, config: EngineConfig | None = None, *, tokenize
         cache_bytes=cache_bytes,
     )
     pooler = loaded.plan.config.pooler
-    return AsyncEngine(loaded.runner, loaded.tokenizer, config, pooler, tokenizer_threads=tokenizer_threads)
+    return AsyncEngine(
+        loaded.runner,
+        loaded.tokenizer,
+        config,
+        pooler,
+        tokenizer_threads=tokenizer_threads,
+        model_thread=model_thread,
+        turns=turns,
+    )

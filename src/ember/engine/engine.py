@@ -23,6 +23,7 @@ from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.results import EmbedResult, ScoreResult, answer_vectors
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
+from ember.engine.turns import Turns
 from ember.errors import EmberError, EngineDeadError, InputError, RequestTooLargeError, ShuttingDownError
 from ember.resources import release_free_memory
 from ember.sizing import OUTPUT_VALUE_BYTES
@@ -58,7 +59,11 @@ class AsyncEngine:
         *,
         tokenizer_threads: int = 1,
         observer: BatchObserver | None = None,
+        model_thread: ThreadPoolExecutor | None = None,
+        turns: Turns | None = None,
     ) -> None:
+        """`model_thread` and `turns`: the one model thread and its turns, shared with the engines of the other models
+        a server runs (ember.engine.build.build_engines); by default this engine's own."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -68,7 +73,9 @@ class AsyncEngine:
         self.cache = EmbeddingCache(self.config.cache_bytes) if self.config.cache_bytes else None
         """Outputs of windows already computed, by exact token ids (None: off)."""
         self.observer = observer
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
+        self._owns_thread = model_thread is None
+        self._model_thread = model_thread or ThreadPoolExecutor(1, thread_name_prefix="ember-model")
+        self.turns = turns
         self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
         self.kernels: dict[str, KernelStatus] = {}
         """What each kernel does now (native ones and torch.compile's fused regions), for logs, /info, /metrics."""
@@ -170,7 +177,8 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._model_thread.shutdown(wait=not self.model_busy, cancel_futures=True)
+        if self._owns_thread:
+            self._model_thread.shutdown(wait=not self.model_busy, cancel_futures=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def hold_answer(self, nbytes: int) -> Callable[[], None]:
@@ -201,7 +209,9 @@ class AsyncEngine:
         self._check_accepting()
         if self.info.task != "embed":
             raise InputError(
-                f"this model ({self.info.architecture}) scores (query, document) pairs: use /rerank or /score", "input"
+                f"model {self.info.name!r} ({self.info.architecture}) scores (query, document) pairs: use /rerank or "
+                "/score",
+                "input",
             )
         prepared = self.preprocessor.check(inputs, params)
         self.scheduler.check_room()
@@ -334,6 +344,8 @@ class AsyncEngine:
                 await self._run_batch(loop, batch)
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[WorkItem]) -> None:
+        if self.turns is not None:  # another model's batch due earlier runs first
+            await self.turns.acquire(min(it.deadline for it in batch))
         start = time.monotonic()
         tokens = sum(len(it.ids) for it in batch)
         self.running_seqs, self.running_tokens = len(batch), tokens
@@ -346,6 +358,8 @@ class AsyncEngine:
             return
         finally:
             self.running_seqs = self.running_tokens = 0
+            if self.turns is not None:
+                self.turns.release()
         end = time.monotonic()
         if self.observer is not None:
             self.observer(len(batch), tokens, end - start)

@@ -228,7 +228,7 @@ class Preprocessor:
         head = self.info.head
         if output not in head.outputs:
             raise InputError(
-                f"this model ({self.info.architecture}) does not give {output}; it gives "
+                f"model {self.info.name!r} ({self.info.architecture}) does not give {output}; it gives "
                 f"{', '.join(head.outputs) or 'scores (/score, /rerank)'}",
                 "task",
             )
