@@ -24,16 +24,12 @@ import json
 import shlex
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-
-from ember.cli.bench import make_texts  # noqa: E402
+from ember.cli.bench import make_texts
 
 PORT = 8011
 

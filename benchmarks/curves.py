@@ -10,23 +10,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from harness import QWEN_DIR, ROOT, stop
+from run import start_server
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from run import QWEN_DIR, start_server, stop  # noqa: E402
-
-from ember import Embedder  # noqa: E402
-from ember.cli.bench import WORKLOADS, run_workload  # noqa: E402
+from ember import Embedder
+from ember.cli.bench import WORKLOADS, run_workload
 
 
 def throughput_vs_batch(model: str, sizes: list[int]) -> list[float]:

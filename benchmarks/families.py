@@ -30,16 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import ROOT, checkpoints, cpu_name, use_server_allocator
 
-from ember.cli.runtime import maybe_reexec_with_allocator  # noqa: E402
+checkpoints()  # the tests' checkpoint builders, importable as `checkpoints` below
 
 MODELS = ROOT / "models"
 
@@ -179,8 +176,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    maybe_reexec_with_allocator(sys.argv[1:], [sys.executable, __file__])  # the allocator `ember serve` uses
-    from indexing import cpu_name
+    use_server_allocator(__file__)  # the allocator `ember serve` uses
 
     from ember import Embedder
     from ember.cli.bench import make_texts

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -28,12 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import ROOT, cpu_name, launch, stop
 
-from run import launch, stop  # noqa: E402
-
-from ember.cli.bench import make_texts  # noqa: E402
+from ember.cli.bench import make_texts
 
 LEGS = ("embedder", "embed", "client", "ray")
 
@@ -123,13 +119,6 @@ def in_process(src: Path, model: str | None) -> None:
     start = time.perf_counter()
     tokens = sum(sum(embedder.embed(texts[i : i + 10_000]).token_counts) for i in range(0, len(texts), 10_000))
     print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start}))
-
-
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on t
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
 oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), so an AMX
-Xeon measures what an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/roofline.py: the GEMM
+Xeon measures what an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
 rate over the model's FLOPs per token) is probed under the same cap before the servers start, and each
 workload's ember rate is given as a fraction of it.
 """
@@ -25,53 +25,21 @@ import ast
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import QWEN_DIR, ROOT, PeakRss, cpu_description, frozen, launch, stop
+from run import start_server
 
-from proctree import PeakRss, tree_pids  # noqa: E402
-from run import QWEN_DIR, ROOT, launch, start_server, stop  # noqa: E402
-
-from ember.cli.bench import WORKLOADS, Result, run_workload  # noqa: E402
-
-
-@contextmanager
-def frozen(pid: int | None):
-    """SIGSTOP a server's whole process tree for the block (None: do nothing): an idle neighbour's
-    background threads otherwise take CPU from the server being measured."""
-    pids = tree_pids(pid) if pid else []
-    for p in pids:
-        os.kill(p, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for p in pids:
-            os.kill(p, signal.SIGCONT)
-
-
-def cpu_description() -> str:
-    """The CPU's model name and the ISA that decides ember's paths (AMX, AVX-512 BF16/VNNI, AVX2)."""
-    from ember.hardware import cpu_flags
-
-    name = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        "unknown",
-    )  # fmt: skip
-    isa = [f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in cpu_flags()]
-    return f"{name} ({os.cpu_count()} CPUs; {' '.join(isa)})"
+from ember.cli.bench import WORKLOADS, Result, run_workload
 
 
 def _compute_limit(dtype: str) -> dict[str, float]:
-    """benchmarks/roofline.py on the model, in its own process (under the tier's cap when one is set)."""
+    """benchmarks/harness/roofline.py on the model, in its own process (under the tier's cap when one is set)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/roofline.py"), str(QWEN_DIR), dtype],
+        [sys.executable, str(ROOT / "benchmarks/harness/roofline.py"), str(QWEN_DIR), dtype],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return ast.literal_eval(done.stdout.strip().splitlines()[-1])

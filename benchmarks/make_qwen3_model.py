@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the checkpoint builders live there
-from checkpoints.builders import (
-    QWEN3_EMBEDDING_0_6B_CONFIG,
-    QWEN3_PROMPTS,
-    write_qwen3_random_safetensors,
-    write_st_pooling,
-)
-from checkpoints.qwen_tokenizer import build_qwen3_tokenizer
+from harness import checkpoints
+
+_builders = checkpoints().builders  # the tests' checkpoint builders
+QWEN3_EMBEDDING_0_6B_CONFIG, QWEN3_PROMPTS = _builders.QWEN3_EMBEDDING_0_6B_CONFIG, _builders.QWEN3_PROMPTS
+write_qwen3_random_safetensors, write_st_pooling = _builders.write_qwen3_random_safetensors, _builders.write_st_pooling
+build_qwen3_tokenizer = checkpoints().build_qwen3_tokenizer
 
 DEFAULT_OUT = Path("models/qwen3-emb-0.6b-random")
 

@@ -23,15 +23,9 @@ import time
 from pathlib import Path
 
 import httpx
+from harness import ROOT, PeakRss, checkpoints, cpu_name, ensure_qwen3_model, frozen, launch, stop, use_server_allocator
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from run import launch, stop  # noqa: E402
-
-from ember.cli.bench import make_texts  # noqa: E402
-from ember.cli.runtime import maybe_reexec_with_allocator  # noqa: E402
+from ember.cli.bench import make_texts
 
 OVERRIDES = {
     "architectures": ["Qwen3ForSequenceClassification"],
@@ -51,11 +45,7 @@ def build(kind: str) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     if kind == "qwen3":
-        if not QWEN_EMBEDDING.is_dir():
-            import subprocess
-
-            subprocess.run([sys.executable, str(ROOT / "benchmarks/make_qwen3_model.py"), "--out", str(QWEN_EMBEDDING)],
-                           check=True)  # fmt: skip
+        ensure_qwen3_model(QWEN_EMBEDDING)
         config = json.loads((QWEN_EMBEDDING / "config.json").read_text())
         config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
         for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
@@ -63,7 +53,7 @@ def build(kind: str) -> Path:
                 (out / name).symlink_to(QWEN_EMBEDDING / name)
         (out / "config.json").write_text(json.dumps(config, indent=2))
         return out
-    from checkpoints.builders import build_cross_encoder
+    build_cross_encoder = checkpoints().build_cross_encoder
 
     shutil.rmtree(out)
     return build_cross_encoder(out, kind="xlm-roberta", layers=12, hidden=768, heads=12, max_position=512)
@@ -176,8 +166,6 @@ def http_round(url: str, model: str, docs: list[str], r: int, kind: str) -> tupl
 
 def over_http(path: Path, kind: str, docs: list[str], rounds: int, peer: argparse.Namespace) -> dict[str, object]:
     """`ember serve` (and the peer, when given), turn about; the idle server SIGSTOPped while the other works."""
-    from interleaved import frozen
-    from proctree import PeakRss
 
     cmd = [sys.executable, "-m", "ember.cli.main", "serve", str(path), "--port", "18124", "--host", "127.0.0.1"]
     if kind == "qwen3":
@@ -242,10 +230,9 @@ def main() -> None:
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    maybe_reexec_with_allocator(sys.argv[1:], [sys.executable, __file__])  # the allocator `ember serve` uses
+    use_server_allocator(__file__)  # the allocator `ember serve` uses
     path = build(args.model)
     docs = documents(args.docs, args.doc_tokens)
-    from indexing import cpu_name
 
     results: dict[str, object] = {"model": args.model, "docs": args.docs, "doc_tokens": args.doc_tokens,
                                   "cpu": cpu_name()}  # fmt: skip

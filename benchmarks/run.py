@@ -15,29 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
+from harness import QWEN_DIR, ROOT, PeakRss, ensure_qwen3_model, launch, peak_rss, stop, use_server_allocator
+from harness.reference import reference_tokens_per_s
+from harness.roofline import compute_limit
 
-from ember.cli.runtime import maybe_reexec_with_allocator
+from ember.cli.bench import WORKLOADS, Result, run_workload
 
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from proctree import PeakRss  # noqa: E402
-from reference import reference_tokens_per_s  # noqa: E402
-from roofline import compute_limit  # noqa: E402
-
-from ember.cli.bench import WORKLOADS, Result, run_workload  # noqa: E402
-
-QWEN_DIR = ROOT / "models" / "qwen3-emb-0.6b-random"
+__all__ = ["QWEN_DIR", "ROOT", "drive", "launch", "peak_rss", "start_server", "stop"]
 
 
 def start_server(model: str, extra: list[str], port: int = 18123) -> tuple[subprocess.Popen[bytes], float, float]:
@@ -51,45 +39,12 @@ def start_server(model: str, extra: list[str], port: int = 18123) -> tuple[subpr
     return proc, ready, time.perf_counter() - start
 
 
-def launch(cmd: list[str] | str, url: str, log_path: Path) -> tuple[subprocess.Popen[bytes], float]:
-    """Start a server (in its own process group) and wait for its /health: (process, seconds to ready)."""
-    start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, shell=isinstance(cmd, str), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
-        )
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: see {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, time.perf_counter() - start
-        except httpx.HTTPError:
-            time.sleep(0.1)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def peak_rss(pid: int) -> int:
-    """The kernel's high-water mark of one process (VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def drive(url: str, model: str, keys: list[str]) -> dict[str, Result]:
     return {k: asyncio.run(run_workload(url, model, WORKLOADS[k])) for k in keys}
 
 
 def main() -> None:
+    use_server_allocator(__file__)  # in-process figures (the reference) on the allocator the server runs on
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3", help="qwen3 (0.6B-shaped, random weights) or minilm")
     ap.add_argument("--workloads", default="bulk,mixed,queries,long,chunked")
@@ -103,10 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     keys = args.workloads.split(",")
     if args.model == "qwen3":
-        if not (QWEN_DIR / "model.safetensors").exists():
-            subprocess.run(
-                [sys.executable, str(ROOT / "benchmarks/make_qwen3_model.py"), "--out", str(QWEN_DIR)], check=True
-            )
+        ensure_qwen3_model()
         model, name = str(QWEN_DIR), "qwen3-0.6b"
         extra = ["--max-model-len", "8192", "--pooler-config", '{"enable_chunked_processing": true}']
     else:

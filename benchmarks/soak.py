@@ -28,12 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from indexing import cpu_name  # noqa: E402
-from run import launch, stop  # noqa: E402
+from harness import ROOT, cpu_name, launch, stop
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree near the "
          "river bank where children play and fishermen mend their nets before the evening storm").split()  # fmt: skip

@@ -6,8 +6,8 @@ such a sequence with the tokens after it (see src/ember/ops/attention.py). This 
 views of one packed q/k/v buffer) with the padding on and off, alternating, and prints medians.
 Each length is followed by a 64-token sequence, so there are tokens to pad with.
 
-    python benchmarks/attention_lengths.py
-    python benchmarks/attention_lengths.py --lengths 301,501,1001 --rounds 12
+    python benchmarks/experiments/attention_lengths.py
+    python benchmarks/experiments/attention_lengths.py --lengths 301,501,1001 --rounds 12
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ A product timed over and over on one matrix keeps that matrix in the caches; a f
 distinct random matrices, for each row count, with the weights laid out each way below, alternating the ways
 round by round; it prints the median time per pass and each way's speed-up over torch's `F.linear`.
 
-    python benchmarks/linear_stream.py                        # 16, 176 and 2,048 rows
-    python benchmarks/linear_stream.py --rows 32,512 --layers 28
-    EMBER_MAX_ISA=avx2 python benchmarks/linear_stream.py     # as an AVX2-only CPU would run them
+    python benchmarks/experiments/linear_stream.py                        # 16, 176 and 2,048 rows
+    python benchmarks/experiments/linear_stream.py --rows 32,512 --layers 28
+    EMBER_MAX_ISA=avx2 python benchmarks/experiments/linear_stream.py     # as an AVX2-only CPU would run them
 
 Ways: `plain` (F.linear: oneMKL's sgemm, packing panels on every call), `onednn` (weights packed once for
 oneDNN's matmul, as ember packs bf16 layers), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights,

@@ -1,11 +1,11 @@
 """Where one short query's time goes: tokenising, the forward layer by layer (attention, MLP, norms), pooling,
 the engine's own path (queue, batch wait, model thread), and HTTP end to end, each as a median.
 
-    python benchmarks/query_profile.py [--model models/qwen3-emb-0.6b-random] [--dtype auto] [--rounds 30]
+    python benchmarks/experiments/query_profile.py [--model models/qwen3-emb-0.6b-random] [--dtype auto] [--rounds 30]
 
 In-process parts run on the Embedder's runner with the server's threads; the HTTP part starts `ember serve` with
 its default flags (the embedding cache off, so every query is computed) and sends one query at a time. The GEMM
-floor is the model's FLOPs for the query at the GEMM rate probed in the same run (benchmarks/roofline.py).
+floor is the model's FLOPs for the query at the GEMM rate probed in the same run (benchmarks/harness/roofline.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from run import start_server, stop  # noqa: E402  (restarts this script under tcmalloc, as the server runs)
@@ -115,7 +115,8 @@ def main() -> None:
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     stages = in_process(args.model, dtype, args.rounds)
     tokens = stages.pop("tokens")
-    limit = subprocess.run([sys.executable, str(ROOT / "benchmarks/roofline.py"), args.model, dtype, str(int(tokens))],
+    roofline = str(ROOT / "benchmarks/harness/roofline.py")
+    limit = subprocess.run([sys.executable, roofline, args.model, dtype, str(int(tokens))],
                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
     rate = ast.literal_eval(limit)["tokens_per_s"]
     print(f"one query of {tokens:.0f} tokens, {dtype}; GEMM floor {1000 * tokens / rate:.1f} ms ({limit})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-__all__ = ["PeakRss", "tree_pids", "tree_rss"]
+__all__ = ["PeakRss", "peak_rss", "tree_pids", "tree_rss"]
 
 
 def _children() -> dict[int, list[int]]:
@@ -67,3 +67,11 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.bytes = max(self.bytes, tree_rss(self.root))
+
+
+def peak_rss(pid: int) -> int:
+    """The kernel's high-water mark of one process (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0

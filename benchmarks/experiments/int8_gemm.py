@@ -8,8 +8,8 @@ int8, else `torch._int_mm` and the weights' scales, as Int8Linear applies them),
 the GOPS and the median of the paired ratios. The native kernel runs on AMX or AVX-512 VNNI, whichever it was
 built for here.
 
-    python benchmarks/int8_gemm.py
-    python benchmarks/int8_gemm.py --tokens 20,168,512,2048 --rounds 9
+    python benchmarks/experiments/int8_gemm.py
+    python benchmarks/experiments/int8_gemm.py --tokens 20,168,512,2048 --rounds 9
 """
 
 from __future__ import annotations

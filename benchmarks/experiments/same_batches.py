@@ -6,8 +6,8 @@ ember would. Configurations alternate round by round and medians are taken, whic
 host's drift. Every configuration counts the tokens it really embedded (sentence-transformers
 truncates at max_seq_length; so does ember, to the model's max_model_len).
 
-    python benchmarks/same_batches.py                      # the bundled all-MiniLM-L6-v2
-    python benchmarks/same_batches.py --rounds 9 --texts 128 --words 200
+    python benchmarks/experiments/same_batches.py                      # the bundled all-MiniLM-L6-v2
+    python benchmarks/experiments/same_batches.py --rounds 9 --texts 128 --words 200
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ember import Embedder  # noqa: E402

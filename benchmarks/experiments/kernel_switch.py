@@ -4,10 +4,10 @@ A kernel switched at run time would recompile the compiled regions (benchmarks/N
 recompiles"), so each side is its own process: the Embedder built with the kernel on (or off), warmed, then each
 batch timed three times; the sides alternate for --rounds rounds and the medians are printed with the ratio.
 
-    python benchmarks/kernel_switch.py --kernel attention
-    python benchmarks/kernel_switch.py --kernel int8_gemm --quantization int8 --rounds 2
-    python benchmarks/kernel_switch.py --kernel linear --dtype float32       # bf16 weights against float32 ones
-    python benchmarks/kernel_switch.py --kernel linear_f32 --dtype float32   # float32 product against oneDNN
+    python benchmarks/experiments/kernel_switch.py --kernel attention
+    python benchmarks/experiments/kernel_switch.py --kernel int8_gemm --quantization int8 --rounds 2
+    python benchmarks/experiments/kernel_switch.py --kernel linear --dtype float32  # bf16 weights against float32's
+    python benchmarks/experiments/kernel_switch.py --kernel linear_f32 --dtype float32  # float32 product, oneDNN
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCHES = {"1x20": (1, 20), "8x20": (8, 20), "4x500": (4, 500), "1x4000": (1, 4000)}  # texts x words
 _WORDS = "alpha beta gamma delta river stone cloud market engine paper north quiet".split()
 

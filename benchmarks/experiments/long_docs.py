@@ -1,6 +1,6 @@
 """Long documents: peak server RSS for a 32,000-token document, and query latency while it is embedded.
 
-    python benchmarks/long_docs.py      # Qwen3-0.6B-shaped model, bf16, --max-model-len 8192, chunked processing
+    python benchmarks/experiments/long_docs.py  # Qwen3-0.6B shape, bf16, --max-model-len 8192, chunked processing
 
 Prints the query p50/p99 on an idle server and while the long document runs, and the order things finished in.
 Never run beside tests or another benchmark.
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from run import QWEN_DIR, peak_rss, start_server  # noqa: E402
+from harness import QWEN_DIR, peak_rss  # noqa: E402
+from run import start_server  # noqa: E402
 
 from ember.cli.bench import make_texts  # noqa: E402
 

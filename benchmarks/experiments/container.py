@@ -1,6 +1,6 @@
 """ember inside a container's limits: auto threads under a 1-CPU quota, and peak RSS for 8k-token documents.
 
-    python benchmarks/container.py       # needs root and cgroup v1 (as on the CI machines); prints a table
+    python benchmarks/experiments/container.py       # needs root and cgroup v1 (as on the CI machines); prints a table
 
 1. A cgroup with a 1-CPU quota on this 2-CPU machine: `ember serve` with auto threads (it sees the quota and runs 1)
    against `--threads 2` (threads = all visible CPUs, what torch picks by itself), same workload, tokens/s ratio.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from run import QWEN_DIR, peak_rss  # noqa: E402
+from harness import QWEN_DIR, peak_rss  # noqa: E402
 
 from ember.cli.bench import WORKLOADS, run_workload  # noqa: E402
 

@@ -5,8 +5,8 @@ through their C entry points on the same packed q/k/v, calls alternating (A B, B
 largest difference between their outputs is printed too. What changed in the kernel, measured without a model or
 a server around it.
 
-    python benchmarks/attention_builds.py --rev HEAD~1 --dtype float32
-    python benchmarks/attention_builds.py --rev main --cases "12/12/32:8x20,32x200" --dtype bfloat16
+    python benchmarks/experiments/attention_builds.py --rev HEAD~1 --dtype float32
+    python benchmarks/experiments/attention_builds.py --rev main --cases "12/12/32:8x20,32x200" --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from ember.hardware import find_compiler  # noqa: E402
 from ember.ops import cxx, native  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = "src/ember/ops/csrc"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -9,11 +9,12 @@ The kernel runs with whatever instruction set it was built for on this machine (
 AVX-512 BF16 where the CPU has no AMX or EMBER_MAX_ISA=avx512_bf16 caps it, or AVX2: float32 only). GFLOP/s
 counts the two products' multiply-adds (causal: half the square).
 
-    python benchmarks/attention_kernel.py
-    python benchmarks/attention_kernel.py --cases "16/8/128:8x21,4x512,8000" --rounds 15 --blocks
+    python benchmarks/experiments/attention_kernel.py
+    python benchmarks/experiments/attention_kernel.py --cases "16/8/128:8x21,4x512,8000" --rounds 15 --blocks
     EMBER_MAX_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
-        python benchmarks/attention_kernel.py --dtype float32
-    python benchmarks/attention_kernel.py --cases "12/12/64:4x512,2x2048,8000" --window 64  # ModernBERT's local layers
+        python benchmarks/experiments/attention_kernel.py --dtype float32
+    # ModernBERT's local layers:
+    python benchmarks/experiments/attention_kernel.py --cases "12/12/64:4x512,2x2048,8000" --window 64
 """
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""The models benchmarks run: the Qwen3-Embedding-0.6B shape with random weights (built once), the tests' tiny
+checkpoint builders, and the allocator `ember serve` runs on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from harness.results import ROOT
+
+__all__ = ["QWEN_DIR", "checkpoints", "ensure_qwen3_model", "use_server_allocator"]
+
+QWEN_DIR = ROOT / "models" / "qwen3-emb-0.6b-random"
+
+
+def ensure_qwen3_model(path: Path = QWEN_DIR) -> Path:
+    """The Qwen3-Embedding-0.6B-shaped model with random weights, built by make_qwen3_model.py if missing."""
+    if not (path / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks/make_qwen3_model.py"), "--out", str(path)], check=True)
+    return path
+
+
+def checkpoints() -> ModuleType:
+    """tests/checkpoints (its builders write real checkpoints of a given shape): the one place benchmarks reach into
+    tests/."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import checkpoints as module
+
+    return module
+
+
+def use_server_allocator(script: str) -> None:
+    """Re-run this script under the allocator `ember serve` preloads (tcmalloc), so in-process figures are on it."""
+    from ember.cli.runtime import maybe_reexec_with_allocator
+
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, script])
