@@ -143,6 +143,29 @@ def test_turns_go_to_the_earliest_deadline_then_first_asked():
     assert asyncio.run(scenario()) == (["soon", "also-soon", "late"], False)
 
 
+def test_no_model_takes_two_turns_in_a_row_while_another_waits():
+    """An overdue flood (every deadline in the past) on model A would win every turn by deadline alone; B's batch
+    goes after A's running one."""
+
+    async def scenario():
+        turns, order = Turns(), []
+        a, b = object(), object()
+        await turns.acquire(0.0, a)  # A's batch runs
+
+        async def wait(name, owner, deadline):
+            await turns.acquire(deadline, owner)
+            order.append(name)
+            turns.release()
+
+        tasks = [asyncio.create_task(wait("a2", a, 1.0)), asyncio.create_task(wait("b", b, 5.0))]
+        await asyncio.sleep(0)
+        turns.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["b", "a2"]
+
+
 def _batches_before(runner_b_shared: bool, tokenizer) -> int:
     """A flood of long requests on engine A, then one short query: on engine A itself, or on engine B sharing A's
     model thread. The tokens computed (by any model) from the query's arrival until its answer: the work it waited

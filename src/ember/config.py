@@ -212,6 +212,13 @@ class EngineConfig:
     native kernels are not governed by this: see NativeConfig."""
     eager_reason: str = "--enforce-eager"
     """Why the fused regions are off when compile_kernels is False (shown by /info and the start-up log)."""
+    shared_batch_seconds: float = 0.05
+    """With several models on the one model thread (`--models`, --shared-batch-ms), each batch is cut to about this
+    much of its model's measured time (at least 128 tokens), so a request to another model waits about this long for
+    the batch running when it arrives rather than a whole token budget's worth (a 2,048-token rerank batch of a
+    MiniLM-sized cross-encoder is ~0.6 s on 2 cores). Shorter cuts favour the other models' latency, longer ones
+    the busy model's throughput (benchmarks/stack.py). Batches are cut only while another model is active (asked
+    for the thread in the last 5 s); a single model's never are."""
     cache_bytes: int = 0
     """The embedding cache (--embedding-cache-size): the pooled output of every window computed, kept by its exact
     token ids up to this many bytes (least recently used out first), so a repeated input is answered without the

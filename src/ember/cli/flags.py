@@ -140,6 +140,11 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         p, "--batch-wait-ms", EngineConfig, "batch_wait_seconds", type=float, default=wait_ms, shown=f"{wait_ms:g} ms"
     )
     add_field_flag(p, "--embedding-cache-size", EngineConfig, "cache_bytes", default="64M", shown="64M")
+    shared_ms = 1000 * field_default(EngineConfig, "shared_batch_seconds")
+    shown = f"{shared_ms:g} ms"
+    add_field_flag(
+        p, "--shared-batch-ms", EngineConfig, "shared_batch_seconds", type=float, default=shared_ms, shown=shown
+    )
     add_field_flag(p, "--max-request-bytes", ServerConfig, "max_request_bytes", shown="8M")
     add_field_flag(
         p,

@@ -89,6 +89,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queue_seconds=args.max_queue_seconds,
         auto_truncate=truncate(args),
         batch_wait_seconds=args.batch_wait_ms / 1000,
+        shared_batch_seconds=args.shared_batch_ms / 1000,
         compile_kernels=compile_kernels,
         eager_reason=eager_reason,
         cache_bytes=parse_bytes(args.embedding_cache_size),

@@ -43,6 +43,10 @@ IDLE_RELEASE_SECONDS = 2.0
 DRAIN_MARGIN_SECONDS = 0.5
 """A drain answers what is still unfinished this long before its grace ends, so those answers go out in time."""
 
+SHARED_BATCH_MIN_TOKENS = 128
+"""The least a shared model thread's batch is cut to: at 64 a MiniLM-sized cross-encoder ran one pair per batch, at
+half the throughput of 128 (benchmarks/stack.py, 2 cores)."""
+
 BatchObserver = Callable[[int, int, float], None]
 """Called after each batch with (sequences, tokens, seconds)."""
 
@@ -73,6 +77,8 @@ class AsyncEngine:
         self.cache = EmbeddingCache(self.config.cache_bytes) if self.config.cache_bytes else None
         """Outputs of windows already computed, by exact token ids (None: off)."""
         self.observer = observer
+        if turns is not None:
+            turns.members += 1
         self._owns_thread = model_thread is None
         self._model_thread = model_thread or ThreadPoolExecutor(1, thread_name_prefix="ember-model")
         self.turns = turns
@@ -339,13 +345,21 @@ class AsyncEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), wait)
                 continue
-            batch = self.scheduler.next_batch(time.monotonic())
+            batch = self.scheduler.next_batch(time.monotonic(), self._shared_batch_tokens())
             if batch:
                 await self._run_batch(loop, batch)
 
+    def _shared_batch_tokens(self) -> int | None:
+        """With another model on the model thread that ran in the last few seconds, a batch cut to about
+        config.shared_batch_seconds of this model's time (at least SHARED_BATCH_MIN_TOKENS), so its requests wait
+        about that long for it; otherwise, no cut."""
+        if self.turns is None or not self.turns.others_active(self, asyncio.get_running_loop().time()):
+            return None
+        return max(SHARED_BATCH_MIN_TOKENS, int(self.config.shared_batch_seconds / self.scheduler.seconds_per_token))
+
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[WorkItem]) -> None:
         if self.turns is not None:  # another model's batch due earlier runs first
-            await self.turns.acquire(min(it.deadline for it in batch))
+            await self.turns.acquire(min(it.deadline for it in batch), self)
         start = time.monotonic()
         tokens = sum(len(it.ids) for it in batch)
         self.running_seqs, self.running_tokens = len(batch), tokens

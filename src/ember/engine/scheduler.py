@@ -229,17 +229,19 @@ class Scheduler:
             left = min(left, max(g.started, self._last_arrival) + SETTLE_SECONDS - now)
         return max(0.0, left)
 
-    def next_batch(self, now: float) -> list[WorkItem]:
-        """Pop work earliest-deadline-first within the token and sequence budgets (a longer window runs alone)."""
+    def next_batch(self, now: float, max_tokens: int | None = None) -> list[WorkItem]:
+        """Pop work earliest-deadline-first within the token and sequence budgets (a longer window runs alone);
+        `max_tokens` cuts the token budget for this batch."""
         self._gather = None
         batch: list[WorkItem] = []
         tokens = 0
+        budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
         while self._heap and len(batch) < self.config.max_num_seqs:
             item = self._heap[0]
             if item.request.cancelled or item.request.done:
                 self._pop()
                 continue
-            if batch and tokens + len(item.ids) > self.config.max_num_batched_tokens:
+            if batch and tokens + len(item.ids) > budget:
                 break
             self._pop()
             batch.append(item)
