@@ -55,7 +55,7 @@ def limit_isa(tier: str | None) -> None:
     before anything reads the flags (the CLI does, from EMBER_MAX_ISA)."""
     global _max_isa
     if tier is not None and tier not in ISA_TIERS:
-        raise ValueError(f"unknown ISA tier {tier!r}; expected one of {', '.join(ISA_TIERS)}")
+        raise ConfigError(f"unknown ISA tier {tier!r}; expected one of {', '.join(ISA_TIERS)}")
     _max_isa = tier
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember.errors import ConfigError
 from ember.types import Specials
 
 __all__ = [
@@ -40,7 +41,7 @@ def split_windows(ids: list[int], max_len: int, specials: Specials, overlap: int
     content, wrapped = specials.unwrap(ids)
     room = max_len - len(specials) if wrapped else max_len
     if room < 1:
-        raise ValueError(f"max_len {max_len} leaves no room for content next to {len(specials)} special tokens")
+        raise ConfigError(f"max_len {max_len} leaves no room for content next to {len(specials)} special tokens")
     overlap = window_overlap(max_len, specials, overlap, wrapped)
     step = room - overlap
     windows = []

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ember.config import NativeConfig
+from ember.errors import ConfigError
 from ember.hardware import ISA_TIERS, cpu_flags, find_compiler, isa_tier, native_cpu_flags, usable_cpu_flags
 from ember.ops import cxx
 from ember.types import KernelStatus
@@ -271,7 +272,7 @@ def prebuild(cache: Path, tiers: list[str], compiler: str) -> list[tuple[str, st
     built = []
     for tier in tiers:
         if tier not in prebuilt_tiers_here():
-            raise ValueError(f"this {platform.machine()} machine does not build the {tier} tier")
+            raise ConfigError(f"this {platform.machine()} machine does not build the {tier} tier")
         for kernel in (k for k in _KERNELS if _in_tier(k, tier)):
             source = _CSRC / f"{kernel.name}.cpp"
             out = _prebuilt_path(source, cache, tier)
