@@ -297,6 +297,7 @@ def test_the_litellm_proxy_routes_embeddings_and_rerank_to_one_stack(stack, tmp_
     """The shipped LiteLLM config with both API bases on one ember serving both models."""
     import httpx
     import openai
+
     from server import litellm_proxy
 
     env = {"EMBER_API_BASE": stack.url + "/v1", "EMBER_RERANK_API_BASE": stack.url, "EMBER_API_KEY": "k",

@@ -106,7 +106,7 @@ def test_ember_embed_ray_hands_the_cap_to_its_actors(monkeypatch, model, tmp_pat
     assert "max_isa" not in embedder and "ONEDNN_MAX_CPU_ISA" not in env
     monkeypatch.setenv("EMBER_MAX_ISA", "avx2")
     embedder, env = ray_settings(args)
-    assert embedder["max_isa"] == "avx2" and embedder["model"] == str(model) and env["EMBER_MAX_ISA"] == "avx2"
+    assert embedder["max_isa"] == "avx2" and embedder["config"].model == str(model) and env["EMBER_MAX_ISA"] == "avx2"
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the operator's own setting is kept

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -54,6 +54,25 @@ def _watch(metrics: Metrics, served: Served, config: ServerConfig) -> None:
     engine.observer = metrics.batch_observer(name)
 
 
+def _lifespan(
+    models: tuple[Served, ...], config: ServerConfig, tracing: Tracing | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Starting the app starts every model's engine; stopping it drains them together, then flushes the traces."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for served in models:
+            await served.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.gather(*(m.engine.stop(config.shutdown_grace_seconds) for m in models))
+            if tracing is not None:
+                tracing.shutdown()
+
+    return lifespan
+
+
 def create_app(
     engine: AsyncEngine,
     config: ServerConfig,
@@ -71,24 +90,13 @@ def create_app(
     metrics = metrics or Metrics()
     models = (Served(engine, config.served_model_names, config.model_path), *more)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        for served in models:
-            await served.engine.start()
-        try:
-            yield
-        finally:
-            await asyncio.gather(*(m.engine.stop(config.shutdown_grace_seconds) for m in models))
-            if tracing is not None:
-                tracing.shutdown()
-
     # /docs and /redoc with their assets served from the package (no CDN, air-gap safe); none at all when turned off
     pages: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = (FastAPIOffline if docs else FastAPI)(
         title="ember",
         version=__version__,
         description="CPU-native, OpenAI- and vLLM-compatible embedding and rerank server",
-        lifespan=lifespan,
+        lifespan=_lifespan(models, config, tracing),
         redirect_slashes=False,  # the edge serves /path/ as /path: a redirect would echo the client's Host header
         **pages,
     )
