@@ -237,3 +237,25 @@ def test_doctor_plans_every_model_of_the_models_file_and_names_the_one_refused(t
     assert models["rerank"]["task"] == "score" and "other models" in models["rerank"]["memory_plan"]
     assert bad.returncode == 1
     assert json.loads(bad.stdout)["problems"][0].startswith("model rerank: --max-model-len 100000 is greater")
+
+
+def test_a_models_file_is_checked_entry_by_entry(tmp_path):
+    from ember.cli.flags import add_serve_flags
+    from ember.cli.model_flags import model_configs
+
+    def configs(entries, *flags):
+        (tmp_path / "m.yaml").write_text(yaml.safe_dump(entries))
+        p = __import__("argparse").ArgumentParser()
+        add_serve_flags(p)
+        return model_configs(p.parse_args([*flags, "--models", str(tmp_path / "m.yaml")]))
+
+    inherited = configs([{"model": "b"}, {"model": "c", "memory_limit": "1Gi"}], "--memory-limit", "3Gi")
+    assert [c.memory_limit for c, _, _ in inherited] == [3 * 2**30, 3 * 2**30, 2**30]  # the server's memory
+    for bad, message in (
+        ({"model": "b", "max_model_len": "abc"}, "entry 1: 'abc' is not a count"),
+        ({"model": "b", "truncate": "false"}, "entry 1: truncate must be true or false"),
+        ({"model": "b", "served_model_name": 5}, "entry 1: served_model_name must be a name"),
+        ({"model": "b", "max_model_length": 5}, "entry 1: unknown key"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            configs([bad])

@@ -61,11 +61,11 @@ def _lifespan(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        for served in models:
-            await served.engine.start()
         try:
+            for served in models:
+                await served.engine.start()
             yield
-        finally:
+        finally:  # a failed start stops the engines started before it
             await asyncio.gather(*(m.engine.stop(config.shutdown_grace_seconds) for m in models))
             if tracing is not None:
                 tracing.shutdown()
@@ -118,7 +118,7 @@ def create_app(
         api_keys=config.api_keys,
         protected=protected,
         max_body_values=max(max_body_values(m.engine, config) for m in models),
-        hold_answer=engine.hold_answer,
+        hold_answer=lambda nbytes, model: app.state.ctx.served(model).engine.hold_answer(nbytes),
         tracing=tracing,
         endpoints=endpoints,
     )

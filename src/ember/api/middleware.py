@@ -131,7 +131,7 @@ class EdgeMiddleware:
         api_keys: Collection[str] = (),
         protected: Collection[str] = (),
         max_body_values: int | None = None,
-        hold_answer: Callable[[int], Callable[[], None]] | None = None,
+        hold_answer: Callable[[int, str | None], Callable[[], None]] | None = None,
         tracing: Tracing | None = None,
         endpoints: Collection[str] = (),
     ) -> None:
@@ -176,7 +176,7 @@ class EdgeMiddleware:
                     *timing_headers(state, start, responded),
                 ]
             if message["type"] == "http.response.body" and len(message.get("body", b"")) > SLICE_BYTES:
-                await self._send_sliced(send, message)
+                await self._send_sliced(send, message, state.get("model"))
             else:
                 await send(message)
 
@@ -200,12 +200,12 @@ class EdgeMiddleware:
             if counted.seen >= LARGE_BODY_BYTES:  # its parsed objects are gone now: give their pages back
                 asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 
-    async def _send_sliced(self, send: Send, message: Message) -> None:
+    async def _send_sliced(self, send: Send, message: Message, model: str | None = None) -> None:
         """A large body in slices (uvicorn waits for the client to drain each before taking the next), counted in
         the memory plan until the last is taken; a client that stops reading is cut off by the transport's write
         timeout, which ends this too."""
         body = memoryview(message["body"])
-        release = self.hold_answer(len(body)) if self.hold_answer is not None else None
+        release = self.hold_answer(len(body), model) if self.hold_answer is not None else None
         try:
             more = message.get("more_body", False)
             for at in range(0, len(body), SLICE_BYTES):

@@ -98,17 +98,17 @@ def model_configs(args: argparse.Namespace) -> list[tuple[ModelConfig, bool, tup
     """Every model a command line asks for, in order: the flags' model, then --models' entries; each with whether
     it truncates and the extra names it is served under."""
     entries: list[argparse.Namespace | Mapping[str, Any]] = [args]
-    entries += read_models_file(args.models) if args.models else []
+    # the memory is the server's: an entry without its own limit plans for the command line's
+    entries += [
+        {"memory_limit": args.memory_limit, **e} for e in (read_models_file(args.models) if args.models else [])
+    ]
     out = []
     for i, entry in enumerate(entries):
+        v = vars(entry) if isinstance(entry, argparse.Namespace) else entry
         try:
-            config = model_config(entry)
+            out.append((model_config(entry), truncate(entry), tuple(_names(v)[1:])))
         except ConfigError as e:
             raise ConfigError(f"--models {args.models}, entry {i}: {e}" if i else str(e)) from None
-        v = vars(entry) if isinstance(entry, argparse.Namespace) else entry
-        names = v.get("served_model_name")
-        names = [names] if isinstance(names, str) else list(names or [])
-        out.append((config, truncate(entry), tuple(names[1:])))
     return out
 
 
@@ -122,14 +122,16 @@ def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
         if (v.get("quantization") or "int8") != "int8":
             raise ConfigError(f"--quantization {v['quantization']!r} is not supported; ember offers int8")
         quantization = "int8"
-    names = v.get("served_model_name")
-    names = [names] if isinstance(names, str) else list(names or [])
+    names = _names(v)
     defaults = ModelConfig()
-    sizes = {
-        key: parse_size(v[key])
-        for key in ("max_model_len", "max_num_batched_tokens", "max_queued_tokens")
-        if v.get(key) is not None
-    }
+    try:
+        sizes = {
+            key: parse_size(v[key])
+            for key in ("max_model_len", "max_num_batched_tokens", "max_queued_tokens")
+            if v.get(key) is not None
+        }
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(str(e)) from None
     memory = v.get("memory_limit")
     return ModelConfig(
         v.get("model") or v.get("model_tag"),
@@ -148,9 +150,21 @@ def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
 
 
 def truncate(values: argparse.Namespace | Mapping[str, Any]) -> bool:
-    """--truncate: over-long inputs cut to max-model-len instead of refused."""
+    """--truncate: over-long inputs cut to max-model-len instead of refused (a YAML entry's true or false)."""
     v = vars(values) if isinstance(values, argparse.Namespace) else values
-    return bool(v.get("truncate"))
+    value = v.get("truncate")
+    if not isinstance(value, bool | None):
+        raise ConfigError(f"truncate must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _names(v: Mapping[str, Any]) -> list[str]:
+    """served_model_name: a name or a list of names."""
+    names = v.get("served_model_name")
+    names = [names] if isinstance(names, str) else names
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+        raise ConfigError(f"served_model_name must be a name or a list of names, got {v.get('served_model_name')!r}")
+    return list(names or [])
 
 
 def _mapping(raw: str | Mapping[str, Any] | None, flag: str) -> dict[str, Any] | None:

@@ -195,10 +195,10 @@ def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
         _Model(engine, (m.info.name, *extra), str(m.plan.path), m.memory.budget_bytes)
         for engine, m, (_, _, extra) in zip(engines, loaded, wanted, strict=True)
     ]
-    seen: dict[str, str] = {}
-    for model in models:
+    seen: dict[str, int] = {}
+    for i, model in enumerate(models):
         for name in model.names:
-            if seen.setdefault(name, model.names[0]) != model.names[0]:
+            if seen.setdefault(name, i) != i:
                 raise ConfigError(f"two models are served as {name!r}: give each its own served_model_name")
     return models
 

@@ -80,6 +80,7 @@ class AsyncEngine:
         if turns is not None:
             turns.members += 1
         self._owns_thread = model_thread is None
+        self._left = False  # stopped taking turns
         self._model_thread = model_thread or ThreadPoolExecutor(1, thread_name_prefix="ember-model")
         self.turns = turns
         self._tokenize_pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="ember-tok")
@@ -183,7 +184,9 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._owns_thread:
+        last_out = self.turns is not None and not self._left and self.turns.leave() == 0
+        self._left = True
+        if self._owns_thread or last_out:  # a shared model thread goes with the last engine to stop
             self._model_thread.shutdown(wait=not self.model_busy, cancel_futures=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -345,9 +348,10 @@ class AsyncEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), wait)
                 continue
-            batch = self.scheduler.next_batch(time.monotonic(), self._shared_batch_tokens())
+            formed = time.monotonic()
+            batch = self.scheduler.next_batch(formed, self._shared_batch_tokens())
             if batch:
-                await self._run_batch(loop, batch)
+                await self._run_batch(loop, batch, formed)
 
     def _shared_batch_tokens(self) -> int | None:
         """With another model on the model thread that ran in the last few seconds, a batch cut to about
@@ -357,10 +361,13 @@ class AsyncEngine:
             return None
         return max(SHARED_BATCH_MIN_TOKENS, int(self.config.shared_batch_seconds / self.scheduler.seconds_per_token))
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[WorkItem]) -> None:
-        if self.turns is not None:  # another model's batch due earlier runs first
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[WorkItem], formed: float) -> None:
+        if self.turns is not None:  # another model's batch may go first: its time counts as queueing
             await self.turns.acquire(min(it.deadline for it in batch), self)
         start = time.monotonic()
+        for item in batch:
+            if item.request.first_batch == formed:
+                item.request.first_batch = start
         tokens = sum(len(it.ids) for it in batch)
         self.running_seqs, self.running_tokens = len(batch), tokens
         try:

@@ -34,6 +34,11 @@ class Turns:
         self.members = 0
         """The engines taking turns (each registers itself)."""
 
+    def leave(self) -> int:
+        """An engine stops taking turns: how many remain."""
+        self.members -= 1
+        return self.members
+
     def others_active(self, owner: object, now: float, within: float = ACTIVE_SECONDS) -> bool:
         """Whether another model asked for a turn in the last `within` seconds."""
         return any(k != id(owner) and now - t < within for k, t in self._asked.items())
