@@ -74,7 +74,8 @@ class _Offline:
         config: ModelConfig | None = None,
     ) -> None:
         """`config`, when given, is the whole model configuration (as `ember serve`'s model flags build it, for
-        `ember embed`) and the loading keywords before `auto_truncate` are not read."""
+        `ember embed`): `model`, `dtype`, `max_model_len`, `pooler_config`, `revision`, `hf_overrides`,
+        `max_batch_tokens` and `quantization` are then not read."""
         # oneDNN reads its kernel cache bound at the first matmul: set it (unless the caller did) before any
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's

@@ -95,7 +95,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "normalize",
         "truncate",
     )
-    return {k: getattr(args, k) for k in keys}
+    options = {k: getattr(args, k) for k in keys}
+    # what else changes the vectors, in the signature only when given (a job started without them resumes)
+    options |= {k: getattr(args, k) for k in ("revision", "override_pooler_config") if getattr(args, k) is not None}
+    return options
 
 
 def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int | None]:

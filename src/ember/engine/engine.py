@@ -20,6 +20,7 @@ from typing import Any
 from ember.config import EngineConfig, PoolerConfig
 from ember.engine.cache import EmbeddingCache
 from ember.engine.inputs import EmbedParams, Preprocessor
+from ember.engine.kernels import prepare_kernels
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
 from ember.engine.results import EmbedResult, ScoreResult, answer_vectors
 from ember.engine.scheduler import Request, Scheduler, WorkItem, batch_inputs
@@ -128,29 +129,8 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._run(), name="ember-scheduler")
         fused = "building in the background" if self.config.compile_kernels else f"off ({self.config.eager_reason})"
         self.kernels["fused"] = KernelStatus("fused", False, fused)
-        threading.Thread(target=self._prepare_kernels, name="ember-kernels", daemon=True).start()
-
-    def _prepare_kernels(self) -> None:
-        """Native kernels, then torch.compile's fused regions (when asked), beside serving: the model thread keeps
-        running with what it has meanwhile. A failure here must never take serving down."""
-        try:
-            for status in self.runner.load_kernels():
-                self.kernels[status.name] = status
-                log.info("kernel %s: %s%s", status.name, "active, " if status.active else "", status.detail)
-        except Exception:
-            log.warning("native kernels could not be loaded; serving with torch's", exc_info=True)
-        if not self.config.compile_kernels:
-            return
-        start = time.perf_counter()
-        try:
-            self.runner.compile()
-        except Exception:
-            self.kernels["fused"] = KernelStatus("fused", False, "compile failed: eager kernels")
-            log.warning("fused kernels could not be compiled; serving with eager kernels", exc_info=True)
-            return
-        seconds = time.perf_counter() - start
-        self.kernels["fused"] = KernelStatus("fused", True, f"torch.compile regions, built in {seconds:.1f}s")
-        log.info("fused kernels compiled in %.1fs; serving with them", seconds)
+        prepare = (self.runner, self.kernels, self.config.compile_kernels)
+        threading.Thread(target=prepare_kernels, args=prepare, name="ember-kernels", daemon=True).start()
 
     def drain(self, grace_seconds: float) -> None:
         """Begin a drain (SIGTERM): refuse new work at once (503), finish what is queued and running, and at the
