@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 __all__ = ["cpu_description", "cpu_name"]
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), e.g. "AMD EPYC 9R14"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    """The CPU's model name, e.g. "AMD EPYC 9R14" (ember.hardware.cpu_model)."""
+    from ember.hardware import cpu_model
 
-    return platform.processor() or "unknown"
+    return cpu_model()
 
 
 def cpu_description() -> str:

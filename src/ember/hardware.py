@@ -23,6 +23,7 @@ __all__ = [
     "auto_dtype",
     "check_tier",
     "cpu_flags",
+    "cpu_model",
     "cpu_vendor",
     "find_compiler",
     "has_fast_bf16",
@@ -91,6 +92,16 @@ def native_cpu_flags() -> frozenset[str]:
         if line.startswith(("flags", "Features")):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name (e.g. "AMD EPYC 9R14"), else what the platform reports, else "unknown"."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return name or platform.processor() or "unknown"
 
 
 def cpu_vendor() -> str:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 from ember.cli.model_flags import add_model_flags, add_models_flag, model_configs
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
-from ember.hardware import amx_granted, auto_dtype, cpu_flags, has_fast_bf16, isa_tier, usable_cpu_flags
+from ember.hardware import amx_granted, auto_dtype, cpu_flags, cpu_model, has_fast_bf16, isa_tier, usable_cpu_flags
 from ember.resources import cpu_budget, memory_budget
 
 __all__ = ["add_parser", "run"]
@@ -31,16 +29,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _machine() -> dict[str, Any]:
@@ -65,7 +53,7 @@ def _machine() -> dict[str, Any]:
     )
     return {
         "cpu": {
-            "model": _cpu_model(),
+            "model": cpu_model(),
             "isa": {f: f in flags for f in _ISA},
             "tier": isa_tier(flags) + _tier_note(flags),
         },
