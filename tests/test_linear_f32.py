@@ -15,7 +15,7 @@ from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
-from ember.ops.linear import StripLinear, pack_f32, release_strips, unpack_f32
+from ember.ops.linear import StripLinear, pack_f32, release_strips, strip_width, unpack_f32
 from ember.ops.native import build_kernels, linear_f32_kernel
 from parity import cos, st_reference
 
@@ -36,12 +36,19 @@ def _layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
     return nn.Linear(k, n, bias=bias)
 
 
-def test_packing_round_trips_exactly():
+@pytest.mark.parametrize("width", [16, 32])
+def test_packing_round_trips_exactly(width):
     w = torch.randn(96, 40)
-    strips = pack_f32(w)
-    assert strips.shape == (3, 40, 32)
-    assert torch.equal(strips[1, 7], w[32:64, 7])  # strip 1, input 7: channels 32..63
+    strips = pack_f32(w, width)
+    assert strips.shape == (96 // width, 40, width)
+    assert torch.equal(strips[1, 7], w[width : 2 * width, 7])  # strip 1, input 7: channels width..2 width - 1
     assert torch.equal(unpack_f32(strips), w)
+
+
+def test_the_strip_width_is_the_kernels(kernel):
+    assert kernel.ember_linear_f32_strip() == strip_width()
+    with pytest.raises(RuntimeError, match="must be packed"):  # a layout of another width is refused, not misread
+        torch.ops.ember.linear_f32w(torch.randn(3, 40), pack_f32(torch.randn(64, 40), 48 - strip_width()), None)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 7, 15, 21, 64, 160, PANEL, 2 * PANEL + 7])

@@ -45,6 +45,7 @@ __all__ = [
     "release_strips",
     "replace_linears",
     "strip_f32",
+    "strip_width",
     "unpack_bf16",
     "unpack_f32",
 ]
@@ -136,6 +137,12 @@ def strip_f32() -> bool:
     return onednn_f32() and "avx512f" not in cpu_flags()
 
 
+def strip_width() -> int:
+    """Output channels per strip of ember's float32 product here: two registers of channels, as csrc/linear_f32.cpp is
+    built for this CPU (32 where it targets AVX-512, 16 on AVX2 and NEON)."""
+    return 32 if "avx512f" in cpu_flags() else 16
+
+
 def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False) -> int:
     """Replace each nn.Linear of `model` by a PackedLinear, where oneDNN runs bf16 (bf16 models) or is the faster
     float32 product (float32 models on AMD); with `strips` (float32 only), by a StripLinear where its width allows;
@@ -145,7 +152,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False) -> 
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if not (strips and dtype == torch.float32):
         return replace_linears(model, names, PackedLinear)
-    return replace_linears(model, names, lambda m: StripLinear(m) if m.out_features % 32 == 0 else PackedLinear(m))
+    width = strip_width()
+    return replace_linears(model, names, lambda m: StripLinear(m) if m.out_features % width == 0 else PackedLinear(m))
 
 
 def release_strips(model: nn.Module) -> int:
@@ -165,31 +173,35 @@ def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn
     return len(names)
 
 
-# linear_f32w(x, w, bias): float32 (T, K) activations times float32 weights packed by pack_f32 ((N / 32, K, 32)),
+# linear_f32w(x, w, bias): float32 (T, K) activations times float32 weights packed by pack_f32 ((N / S, K, S), S the
+# strip_width),
 # plus a float32 bias (N,) if any: (T, N) float32. Implemented in C++ by the native library (csrc/linear_f32.cpp).
 torch.library.define("ember::linear_f32w", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("ember::linear_f32w")
 def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0] * 32))
+    return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]))
 
 
-def pack_f32(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) float32 weights -> the float32 kernel's layout: strips of 32 output channels, (N / 32, K, 32)."""
+def pack_f32(w: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """(N, K) float32 weights -> the float32 kernel's layout: strips of `width` (default: strip_width()) output
+    channels, (N / width, K, width)."""
     n, k = w.shape
-    return w.reshape(n // 32, 32, k).transpose(1, 2).contiguous()
+    width = width or strip_width()
+    return w.reshape(n // width, width, k).transpose(1, 2).contiguous()
 
 
 def unpack_f32(strips: torch.Tensor) -> torch.Tensor:
     """pack_f32's strips back to the (N, K) matrix."""
-    count, k, _ = strips.shape
-    return strips.transpose(1, 2).reshape(count * 32, k)
+    count, k, width = strips.shape
+    return strips.transpose(1, 2).reshape(count * width, k)
 
 
 class StripLinear(nn.Module):
-    """A drop-in for a float32 nn.Linear (outputs a multiple of 32), weights in pack_f32's strips for ember's float32
-    product (csrc/linear_f32.cpp: the weights streamed while computed, taller batches in panels of rows);
+    """A drop-in for a float32 nn.Linear (outputs a multiple of strip_width()), weights in pack_f32's strips for
+    ember's float32 product (csrc/linear_f32.cpp: the weights streamed while computed, taller batches in panels of
+    rows);
     `forward(x, act)` also applies an activation named in ACTIVATIONS. Until the kernel is loaded, the weights are
     laid out plainly on each call."""
 

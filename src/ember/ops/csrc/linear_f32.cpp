@@ -1,14 +1,16 @@
 // float32 linear layers for short batches: y = x W^T + b, all float32, W packed once at load (ember.ops.linear.
-// pack_f32) into strips of 32 output channels, [N/32][K][32].
+// pack_f32) into strips of S output channels, [N/S][K][S], S = two registers of channels (16 on AVX2 and NEON, 32 on
+// AVX-512; ember.ops.linear.strip_width).
 //
 // A query of 10-30 tokens reads every weight of the model once for a few multiply-adds each. oneDNN's packed matmul
 // then takes about the weights' streaming time PLUS the compute time (on a Zen 3 EPYC, 2 threads, 15 rows: ~2.5 ms
 // for a 6,144 x 1,024 matrix, where streaming alone is ~0.9 ms and computing ~1.4 ms). Here each thread computes one
 // strip from L2 while it prefetches the next one from memory, spread over the strip's passes, so the two overlap:
-// 1.1-1.4x oneDNN's speed at 15-21 rows, 1.1x at 64, level at 160 (benchmarks/NOTES.md). The rows go in register
-// blocks of equal size (15 rows: 5 + 5 + 5 on AVX2, not 6 + 6 + 3). Taller products run in panels of kPanel rows,
-// each streaming the weights again while it computes (0.9-1.0x oneDNN's at 512-2,048 rows, and no second copy of the
-// weights nor a widened one).
+// 1.1-1.4x oneDNN's speed at 15-21 rows, 1.1x at 64, level at 160 (benchmarks/NOTES.md). A strip is exactly one
+// register block wide, so each pass over it reads its weights as one contiguous stream (strips of two blocks, read
+// half a line at a time, ran at 0.8x). The rows go in register blocks of equal size (15 rows: 5 + 5 + 5 on AVX2, not
+// 6 + 6 + 3). Taller products run in panels of kPanel rows, each streaming the weights again while it computes
+// (0.9-1.0x oneDNN's at 512-2,048 rows, and no second copy of the weights nor a widened one).
 // Built and loaded like linear.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool. The register
 // blocks are written once against ember_vec::F32Lanes (16 lanes on AVX-512, 8 on AVX2 and NEON).
 
@@ -31,25 +33,24 @@ namespace {
 using L = ember_vec::F32Lanes;
 using V = L::V;
 constexpr int kW = L::kWidth;
-constexpr int kStrip = 32;                   // output channels per strip
-constexpr int kPer = 2;                      // registers of channels per sub-strip
-constexpr int kSubs = kStrip / (kPer * kW);  // sub-strips per strip: 1 (AVX-512) or 2 (8 lanes)
-constexpr int kRows = kW == 16 ? 12 : 6;     // rows per register block at most: 2 kRows sums (24 of AVX-512's 32
-                                             // registers, 12 of AVX2's 16)
+constexpr int kPer = 2;                   // registers of channels per register block
+constexpr int kStrip = kPer * kW;         // output channels per strip: one register block's
+constexpr int kRows = kW == 16 ? 12 : 6;  // rows per register block at most: 2 kRows sums (24 of AVX-512's 32
+                                          // registers, 12 of AVX2's 16)
 constexpr int64_t kPanel = 256;              // rows per pass over the weights (x's panel stays in L2/L3)
 constexpr int64_t kLine = 64;                // bytes per cache line
 
-// R rows of y (row stride ldy), sub-strip s's kPer kW channels = R rows of x (row stride ldx) times a strip's
-// weights w (K x 32), plus the bias (the strip's 32, or null). At step k it prefetches pf + k * pf_step (a share of
+// R rows of y (row stride ldy), a strip's kStrip channels = R rows of x (row stride ldx) times the strip's weights
+// w (K x kStrip), plus the bias (the strip's kStrip, or null). At step k it prefetches pf + k * pf_step (a share of
 // the next strip), when pf is not null.
 template <int R>
-inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, int s, const float* bias, float* y,
+inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const char* pf, int64_t pf_step) {
   V acc[R][kPer];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPer; ++c) acc[r][c] = L::zero();
-  const float* p = w + s * kPer * kW;
+  const float* p = w;
   for (int64_t k = 0; k < K; ++k, p += kStrip) {
     if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
     V b[kPer];
@@ -61,7 +62,7 @@ inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, i
     }
   }
   for (int c = 0; c < kPer; ++c) {
-    const int at = (s * kPer + c) * kW;
+    const int at = c * kW;
     const V bb = bias ? L::load(bias + at) : L::zero();
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) L::store(y + r * ldy + at, L::add(acc[r][c], bb));
@@ -70,38 +71,35 @@ inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, i
 
 // rows_block for a run-time row count 1 .. kRows.
 template <int R = kRows>
-inline void rows_any(int rows, const float* x, int64_t ldx, const float* w, int64_t K, int s, const float* bias,
-                     float* y, int64_t ldy, const char* pf, int64_t pf_step) {
+inline void rows_any(int rows, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                     int64_t ldy, const char* pf, int64_t pf_step) {
   if constexpr (R > 0) {
-    if (rows == R) return rows_block<R>(x, ldx, w, K, s, bias, y, ldy, pf, pf_step);
-    rows_any<R - 1>(rows, x, ldx, w, K, s, bias, y, ldy, pf, pf_step);
+    if (rows == R) return rows_block<R>(x, ldx, w, K, bias, y, ldy, pf, pf_step);
+    rows_any<R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step);
   }
 }
 
-// One strip (its 32 channels of y) for all M rows, in register blocks of equal size; `next` (or null): the strip this
-// thread computes after it, whose K x 32 floats are prefetched in equal shares by this strip's passes.
+// One strip (its kStrip channels of y) for all M rows, in register blocks of equal size; `next` (or null): the strip
+// this thread computes after it, whose K x kStrip floats are prefetched in equal shares by this strip's passes.
 inline void strip_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const float* next) {
-  const int64_t blocks = (M + kRows - 1) / kRows, passes = blocks * kSubs;
+  const int64_t blocks = (M + kRows - 1) / kRows;
   const int64_t lines = K * kStrip * int64_t(sizeof(float)) / kLine;
-  int64_t pass = 0;
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
     const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
-    for (int s = 0; s < kSubs; ++s, ++pass) {
-      const char* pf = nullptr;
-      int64_t step = 0;
-      if (next) {
-        const int64_t lo = pass * lines / passes, hi = (pass + 1) * lines / passes;
-        pf = reinterpret_cast<const char*>(next) + lo * kLine;
-        step = std::max<int64_t>(1, ((hi - lo) * kLine + K - 1) / K);  // bytes per step of k
-      }
-      rows_any(n, x + m * ldx, ldx, w, K, s, bias, y + m * ldy, ldy, pf, step);
+    const char* pf = nullptr;
+    int64_t step = 0;
+    if (next) {
+      const int64_t lo = b * lines / blocks, hi = (b + 1) * lines / blocks;
+      pf = reinterpret_cast<const char*>(next) + lo * kLine;
+      step = std::max<int64_t>(1, ((hi - lo) * kLine + K - 1) / K);  // bytes per step of k
     }
+    rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
     m += n;
   }
 }
 
-// y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of 32). The
+// y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). The
 // threads split the strips, each prefetching its next strip while it computes one.
 void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t N, const float* bias, float* y,
             int64_t ldy) {
@@ -117,6 +115,9 @@ void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, i
 extern "C" {
 
 int ember_linear_f32_usable() { return 1; }
+
+// The strip width its weights must be packed in (ember.ops.linear.pack_f32): 32 on AVX-512, 16 on AVX2 and NEON.
+int ember_linear_f32_strip() { return kStrip; }
 
 // The register width its blocks were built for: "avx512" (16 lanes), "avx2" or "neon" (8).
 const char* ember_linear_f32_isa() {
@@ -135,7 +136,7 @@ namespace {
 at::Tensor linear_f32w_op(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear_f32w: x must be (T, K) float32");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kStrip && w.scalar_type() == at::kFloat && w.is_contiguous(),
-              "linear_f32w: w must be packed (N / 32, K, 32) float32");
+              "linear_f32w: w must be packed (N / ", kStrip, ", K, ", kStrip, ") float32");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0) * kStrip;
   TORCH_CHECK(w.size(1) == k, "linear_f32w: x has ", k, " inputs, the weights ", w.size(1));
