@@ -16,10 +16,12 @@ from cgroups import join_cgroup, real_v1_cgroup
 from checkpoints import build_bert
 from ember.api.app import create_app, max_body_values
 from ember.api.encoding import METADATA_ITEMS
+from ember.api.middleware import JsonValues
 from ember.config import EngineConfig, ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.engine.scheduler import Scheduler
 from ember.errors import OverloadedError
+from ember.sizing import request_bytes
 from server import Server, closed_by_server
 
 MiB = 1 << 20
@@ -47,6 +49,47 @@ def test_a_body_of_millions_of_tiny_values_is_refused_as_it_arrives_not_parsed(r
             assert r.status_code == 413 and "more JSON values" in r.json()["error"]["message"], route
         fine = c.post("/v1/embeddings", json={"input": [[1, 2, 3]] * 100})
         assert fine.status_code == 200
+
+
+def _values_by_hand(body: bytes) -> int:
+    """Commas, brackets and braces outside strings, one character at a time."""
+    count, in_string, escaped = 0, False, False
+    for ch in body.decode():
+        if in_string:
+            in_string, escaped = (in_string, False) if escaped else (ch != '"', ch == "\\")
+        elif ch == '"':
+            in_string = True
+        else:
+            count += ch in ",[{"
+    return count
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": ["a, b, [c], {d}", 'say \\"hi\\", [x]', "back\\\\", '\\\\"', "é, ü \u2028"], "model": "m"},
+        {"input": [[1, 2, 3], [4, 5]], "dimensions": 8},
+        {"query": "q,,,", "documents": [{"text": "a\\,b"}, {"text": ",{[\\\\"}], "top_n": 1},
+    ],
+)
+def test_json_values_count_structure_outside_strings_whatever_the_pieces(body):
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    expected = _values_by_hand(raw)
+    for size in (1, 2, 3, 7, len(raw)):  # pieces that cut escapes, quotes and multi-byte characters anywhere
+        counter = JsonValues()
+        for i in range(0, len(raw), size):
+            counter.feed(raw[i : i + size])
+        assert counter.count == expected, size
+
+
+def test_a_long_text_of_commas_is_one_value_not_a_flood(runner, tokenizer):
+    engine, config, app = _app(runner, tokenizer)
+    limit = max_body_values(engine, config)
+    text = "," * (limit + 10)  # more commas than the bound, all inside one string
+    with TestClient(app) as c:
+        r = c.post("/v1/embeddings", json={"input": text, "truncate_prompt_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 8
 
 
 def test_a_trailing_slash_is_served_without_a_redirect_that_echoes_the_host(runner, tokenizer):
@@ -141,6 +184,22 @@ def test_slowloris_and_slow_readers_are_cut_off_and_an_open_server_says_so(model
     assert "no API key: any client that reaches this port may use it" in (tmp_path / "log").read_text()
 
 
+def test_the_body_limit_follows_the_queue_unless_given(model_dir, tmp_path):
+    assert request_bytes(10) == MiB and request_bytes(10**9) == 64 * MiB  # within its range
+    srv = Server([str(model_dir), "--max-queued-tokens", "40000"], tmp_path / "log")
+    try:
+        limit = request_bytes(40_000)
+        assert limit == 40_000 * 32
+        text = "x" * (limit - 100)
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": text + "y" * 200}, timeout=30)
+        assert r.status_code == 413 and f"limit of {limit} bytes" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/embeddings", json={"input": text[:5000]}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+    assert "request bodies up to 1.2 MiB (--max-request-bytes; from 40000 queued tokens)" in (tmp_path / "log").read_text()
+
+
 def _probe(url, stop, worst):
     while not stop.is_set():
         start = time.monotonic()
@@ -162,7 +221,8 @@ def test_in_a_700_mb_cgroup_no_8_mb_shape_kills_the_server_and_health_answers_wi
          + b"]}"),
     ]  # fmt: skip
     with real_v1_cgroup("memory", {"memory.limit_in_bytes": str(700 * MiB)}) as cgroup:
-        srv = Server([str(model_dir)], tmp_path / "log", preexec_fn=join_cgroup(cgroup))
+        # the shapes are within this byte limit, so the bound on JSON values is what refuses them
+        srv = Server([str(model_dir), "--max-request-bytes", "9m"], tmp_path / "log", preexec_fn=join_cgroup(cgroup))
         stop, worst = threading.Event(), []
         prober = threading.Thread(target=_probe, args=(srv.url, stop, worst))
         prober.start()

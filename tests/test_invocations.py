@@ -108,6 +108,21 @@ def test_tokenize_has_the_same_per_request_bound(runner, tokenizer):
         assert c.post("/tokenize", json={"prompt": "word " * 10}).json()["count"] == 12
 
 
+def test_tokenize_refuses_a_huge_text_from_its_start_without_tokenising_the_rest(runner, tokenizer, monkeypatch):
+    seen: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: seen.append(len(text)) or encode(text, *a, **k))
+    with _client(runner, tokenizer, queued=40) as c:
+        huge = "word " * 200_000  # 1 MB
+        r = c.post("/tokenize", json={"prompt": huge})
+        assert r.status_code == 413 and "more than" in r.json()["error"]["message"]
+        assert seen and max(seen) < 1000  # only a start of ~8 characters per token of the limit was tokenised
+        seen.clear()
+        dense = "a" * 300 + " " + "b" * 300  # longer than 8 x 40 characters but few tokens: counted whole
+        r = c.post("/tokenize", json={"prompt": dense})
+        assert r.status_code == 200 and r.json()["count"] == len(encode(dense))
+
+
 def test_a_request_whose_answer_outgrows_the_memory_plan_is_413(runner, tokenizer):
     engine = AsyncEngine(runner, tokenizer, EngineConfig(max_queued_vectors=4), None)
     with TestClient(create_app(engine, ServerConfig(served_model_names=("m",)))) as c:

@@ -243,7 +243,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     """Accepted bearer tokens (--api-key, VLLM_API_KEY, EMBER_API_KEY); empty = no auth."""
     max_request_bytes: int = 8 * 1024 * 1024
-    """Largest request body accepted before 413 (--max-request-bytes)."""
+    """Largest request body accepted before 413 (--max-request-bytes). `ember serve` sizes it to the memory plan
+    unless given: 32 bytes per token the queue holds, between 1 MiB and 64 MiB (ember.sizing.request_bytes)."""
     max_inputs_per_request: int = 2048
     """Most inputs one request may carry (texts of /v1/embeddings, /pooling and /v2/embed, documents of /rerank,
     pairs of /score), checked before any tokenising: 400 past it (--max-inputs-per-request,

@@ -21,6 +21,7 @@ __all__ = [
     "flops_per_token",
     "plan_memory",
     "plan_threads",
+    "request_bytes",
 ]
 
 GIB = 1024**3
@@ -30,6 +31,11 @@ SAFETY = 0.9
 """Fraction of the available memory ember plans to use; the rest is headroom for the allocator."""
 QUEUED_TOKEN_BYTES = 64
 """Memory a queued token costs (a Python int in a list, its share of the request text)."""
+REQUEST_BYTES_PER_TOKEN = 32
+"""Body bytes allowed per token the queue holds: ~4-8 bytes make a token of text or a token id in a list, so this
+leaves room for texts cut by --truncate and for JSON around them."""
+REQUEST_BYTES_RANGE = (1024**2, 64 * 1024**2)
+"""The least and most a request body may be by default, whatever the queue holds."""
 OUTPUT_VALUE_BYTES = 16
 """Memory one value of an answer costs until it is sent: 4 bytes in its float32 vector and up to ~12 in the JSON
 body (orjson writes a float32 in at most 9 significant digits, a sign, a point, an exponent and a comma)."""
@@ -208,3 +214,11 @@ def flops_per_token(config: dict[str, Any], seq_len: int, causal: bool) -> float
     context = seq_len / 2 if causal else seq_len
     attention = 2 * 2 * context * heads * head_dim  # QK^T and AV
     return layers * (2 * (mlp + attn_weights) + attention)
+
+
+def request_bytes(max_queued_tokens: int) -> int:
+    """The largest request body a server takes by default: REQUEST_BYTES_PER_TOKEN bytes for each token its queue
+    holds (the largest queue of its models), within REQUEST_BYTES_RANGE. A body parses into several times its size
+    in objects, so a small pod takes smaller bodies."""
+    low, high = REQUEST_BYTES_RANGE
+    return min(high, max(low, max_queued_tokens * REQUEST_BYTES_PER_TOKEN))

@@ -2,9 +2,9 @@
 
 Pure ASGI (no BaseHTTPMiddleware), so it adds no task per request and never buffers bodies. The key is checked here,
 before a body is read, so a client without one gets 401 whatever it sends. A body is bounded twice as it streams in,
-before anything parses it: in bytes, and in JSON values (its commas, brackets and braces: parsing multiplies a
-body of millions of tiny values into gigabytes of objects, and would hold the event loop for seconds). A large
-answer is written in slices, each waiting for the client to take the one before, and counted in the memory plan
+before anything parses it: in bytes, and in JSON values (its commas, brackets and braces outside strings: parsing
+multiplies a body of millions of tiny values into gigabytes of objects, and would hold the event loop for seconds).
+A large answer is written in slices, each waiting for the client to take the one before, and counted in the memory plan
 (`AsyncEngine.hold_answer`) until its last byte is taken, so slow readers cannot hold more than the plan allows. A
 path with a trailing slash is served as without it (no redirect, which would echo the Host header). An unexpected
 error becomes one logged traceback and an OpenAI-shaped 500 that still carries the request id. An answer from the
@@ -33,7 +33,7 @@ from ember.resources import release_free_memory
 if TYPE_CHECKING:
     from ember.api.tracing import Tracing
 
-__all__ = ["TIMING_HEADERS", "EdgeMiddleware", "key_matches", "route_path", "timing_headers"]
+__all__ = ["TIMING_HEADERS", "EdgeMiddleware", "JsonValues", "key_matches", "route_path", "timing_headers"]
 
 access_log = logging.getLogger("ember.access")
 log = logging.getLogger(__name__)
@@ -261,12 +261,50 @@ def _refuse(limit: int) -> Receive:
     return receive
 
 
+class JsonValues:
+    """An upper bound on the JSON values of a body fed to it in pieces: every value past the first follows a comma or
+    opens an array or object, so it counts the commas, brackets and braces outside strings. A text's own commas are
+    not values (a long text of commas is one string). Strings are skipped with bytes.find, so a piece costs one pass
+    in C plus a step per string and per escape in it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.in_string = False
+        self.escaped = False  # the piece before ended inside a string on a backslash
+
+    def feed(self, data: bytes) -> int:
+        """Counts `data`, the body's next piece; returns the count so far."""
+        i, n = 0, len(data)
+        while i < n:
+            if not self.in_string:
+                quote = data.find(b'"', i)
+                end = n if quote < 0 else quote
+                self.count += data.count(b",", i, end) + data.count(b"[", i, end) + data.count(b"{", i, end)
+                if quote < 0:
+                    break
+                self.in_string, i = True, quote + 1
+                continue
+            if self.escaped:
+                self.escaped, i = False, i + 1
+                continue
+            quote = data.find(b'"', i)
+            slash = data.find(b"\\", i, n if quote < 0 else quote)
+            if slash >= 0:  # an escape before the string's end: skip it and the character it escapes
+                self.escaped, i = slash + 1 >= n, slash + 2
+            elif quote < 0:
+                break
+            else:
+                self.in_string, i = False, quote + 1
+        return self.count
+
+
 class _Counted:
     """The request's body as it arrives, refused (413) once over `limit` bytes or `values` JSON values."""
 
     def __init__(self, receive: Receive, limit: int, values: int | None) -> None:
         self.receive, self.limit, self.values = receive, limit, values
-        self.seen = self.structure = 0
+        self.seen = 0
+        self.shape = JsonValues()
 
     async def __call__(self) -> Message:
         message = await self.receive()
@@ -275,9 +313,6 @@ class _Counted:
             self.seen += len(body)
             if self.seen > self.limit:
                 raise PayloadTooLarge(self.limit)
-            if self.values is not None:
-                # every JSON value past the first follows a comma or opens an array or object: an upper bound
-                self.structure += body.count(b",") + body.count(b"[") + body.count(b"{")
-                if self.structure > self.values:
-                    raise TooManyValues(self.values)
+            if self.values is not None and self.shape.feed(body) > self.values:
+                raise TooManyValues(self.values)
         return message

@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
@@ -218,18 +218,43 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await vectors_response(request, body, prefix="embd", kind="embedding", field="embedding")
 
 
+START_CHARS_PER_TOKEN = 8
+"""/tokenize counts the start of a text longer than this many characters per token of the limit first."""
+
+
+def _start_of_long(text: str, limit: int) -> str | None:
+    """The start of a text of more than START_CHARS_PER_TOKEN x `limit` characters, cut at the last whitespace
+    before that length; None for shorter texts (or one with no whitespace there). Tokenisers split words at
+    whitespace before anything else, so the start's tokens are the text's first tokens: more than `limit` of them
+    and the whole text holds more."""
+    end = START_CHARS_PER_TOKEN * limit
+    if len(text) <= end:
+        return None
+    cut = max(text.rfind(c, 0, end) for c in " \n\t")
+    return text[:cut] if cut > 0 else None
+
+
+def _too_many_tokens(count: str, limit: int) -> NoReturn:
+    raise RequestTooLargeError(
+        f"this prompt holds {count} tokens, more than one request may ({limit}, --max-queued-tokens as the memory plan "
+        "allows)",
+        "prompt",
+    )
+
+
 @inference.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine = context(request).served(body.model).engine
     tok = engine.tokenizer
-    ids: list[int] = await engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
     limit = engine.config.max_queued_tokens
+    start = _start_of_long(body.prompt, limit)
+    if start is not None:  # a text far longer than the limit: its start alone tells, without tokenising the rest
+        counted = len(await engine.run_in_tokenizer(tok.encode, start, False))
+        if counted > limit:
+            _too_many_tokens(f"more than {counted}", limit)
+    ids: list[int] = await engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
     if len(ids) > limit:  # the same bound as one embedding request, before the token strings and the JSON
-        raise RequestTooLargeError(
-            f"this prompt holds {len(ids)} tokens, more than one request may ({limit}, --max-queued-tokens as the "
-            "memory plan allows)",
-            "prompt",
-        )
+        _too_many_tokens(str(len(ids)), limit)
     strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
 

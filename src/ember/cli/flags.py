@@ -145,7 +145,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     add_field_flag(
         p, "--shared-batch-ms", EngineConfig, "shared_batch_seconds", type=float, default=shared_ms, shown=shown
     )
-    add_field_flag(p, "--max-request-bytes", ServerConfig, "max_request_bytes", shown="8M")
+    add_field_flag(p, "--max-request-bytes", ServerConfig, "max_request_bytes", shown="from the memory plan")
     add_field_flag(
         p,
         "--max-inputs-per-request",

@@ -37,6 +37,7 @@ from ember.cli.runtime import (
 )
 from ember.config import EngineConfig, ServerConfig
 from ember.errors import ConfigError, EmberError
+from ember.sizing import request_bytes
 
 if TYPE_CHECKING:
     from ember.engine.engine import AsyncEngine
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("ember.cli")
-
-_REQUEST_BYTES = ServerConfig(("",)).max_request_bytes
 
 
 def add_parser(sub: Any) -> None:
@@ -96,12 +95,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _server_config(args: argparse.Namespace, names: tuple[str, ...], path: str, budget: int) -> ServerConfig:
+def _server_config(
+    args: argparse.Namespace, names: tuple[str, ...], path: str, budget: int, queued_tokens: int
+) -> ServerConfig:
+    body = parse_bytes(args.max_request_bytes) if args.max_request_bytes else request_bytes(queued_tokens)
+    if not args.max_request_bytes:
+        log.info(
+            "request bodies up to %.1f MiB (--max-request-bytes; from %d queued tokens)", body / 2**20, queued_tokens
+        )
     return ServerConfig(
         served_model_names=names,
         model_path=path,
         api_keys=api_keys(args.api_key),
-        max_request_bytes=parse_bytes(args.max_request_bytes) if args.max_request_bytes else _REQUEST_BYTES,
+        max_request_bytes=body,
         max_inputs_per_request=max_inputs_per_request(args.max_inputs_per_request),
         shutdown_grace_seconds=args.shutdown_grace,
         memory_budget_bytes=budget,
@@ -130,7 +136,8 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         log.info("tracing: each request's spans to %s", tracing.url)
     served = _models(args, threads)
     first = served[0]
-    server = _server_config(args, first.names, first.path, first.engine_memory)
+    queued = max(m.engine.config.max_queued_tokens for m in served)
+    server = _server_config(args, first.names, first.path, first.engine_memory, queued)
     more = [Served(m.engine, m.names, m.path) for m in served[1:]]
     app = create_app(first.engine, server, cors=front.cors, docs=front.docs, tracing=tracing, more=more)
     where = f"unix socket {args.uds}" if args.uds else f"{front.scheme}://{args.host}:{args.port}"
