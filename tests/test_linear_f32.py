@@ -109,6 +109,10 @@ def test_float32_models_laid_out_for_the_kernel_match_sentence_transformers(kern
     assert cos(ours, st_reference(path, TEXTS)).min() >= 0.9999
     alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
     assert cos(alone, ours[:3]).min() >= 0.999999
+    assert embedder._loaded.runner.compiled  # a decoder's layers are then one compiled region each, for any length
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (2, 9, 70, 301):
+            embedder.embed([" ".join(["word"] * n), "short one"])
     monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())

@@ -20,6 +20,7 @@ from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import packed_attention, seq_offsets, varlen_attention
 from ember.ops.fused import Fused, qk_norm_rope, qk_rope, rms_norm, swiglu
+from ember.ops.linear import StripLinear
 from ember.ops.prefix import PrefixLayout
 from ember.ops.quant import Int8Linear
 from ember.ops.rope import rope_cos_sin, rope_inv_freq
@@ -151,8 +152,10 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_up_proj, x))
 
 
-def _holds_int8(block: Block) -> bool:
-    return isinstance(block.mlp.down_proj, Int8Linear)
+def _one_region(block: Block) -> bool:
+    """Whether the layer's stretches compile as whole regions, GEMMs included (see Block._layer): with int8 weights,
+    and with float32 ones on ember's float32 product."""
+    return isinstance(block.mlp.down_proj, Int8Linear | StripLinear)
 
 
 class Block(nn.Module):
@@ -172,7 +175,7 @@ class Block(nn.Module):
         cu: torch.Tensor,
         shared: PrefixLayout | None = None,
     ) -> torch.Tensor:
-        if x.shape[0] <= TOKEN_SLICE and _holds_int8(self) and shared is None:  # one region (bf16: see below)
+        if x.shape[0] <= TOKEN_SLICE and _one_region(self) and shared is None:  # one region (bf16: see below)
             return self._layer(x, cos, sin, cu)
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
@@ -184,24 +187,25 @@ class Block(nn.Module):
         del qkv
         return by_token_slices(self._out_mlp, x, y)
 
-    # With int8 weights each layer (up to a slice of tokens; longer batches: each per-token stretch between
-    # attentions) is compiled as one region, so the residual adds and norms fuse around the int8 GEMMs, and
-    # a forward enters one compiled region per layer rather than two with Python between them (attention
-    # is the op packed_attention inside it): one query of 21 tokens 0.95x the time, 8 of them 0.99x, 2,048
-    # tokens unchanged (two models in one process, alternating). In bf16 an A/B against the per-function
-    # fused kernels was inconclusive, so bf16 keeps those.
-    @Fused.region(when=_holds_int8)
+    # With int8 weights, and float32 ones on ember's float32 product, each layer (up to a slice of tokens; longer
+    # batches: each per-token stretch between attentions) is compiled as one region, so the residual adds and norms
+    # fuse around the GEMMs, and a forward enters one compiled region per layer rather than two with Python between
+    # them (attention is the op packed_attention inside it). int8: one query of 21 tokens 0.95x the time, 8 of them
+    # 0.99x, 2,048 tokens unchanged (two models in one process, alternating). float32 on a Zen 3 EPYC: one 15-token
+    # query 0.78-0.93x the time, 8 x 20 words 0.93-1.00x, 4 x 500 words level (processes alternating). In bf16 an
+    # A/B against the per-function fused kernels was inconclusive, so bf16 keeps those.
+    @Fused.region(when=_one_region)
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         qkv = self._project(x, cos, sin)
         y = packed_attention(qkv, cu, self.self_attn.n_kv, self.self_attn.causal).flatten(1)  # (T, Hq * D)
         return self._out_mlp(x, y)
 
-    @Fused.region(when=_holds_int8)
+    @Fused.region(when=_one_region)
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
         return self.self_attn.norm_rope(qkv, cos, sin)
 
-    @Fused.region(when=_holds_int8)
+    @Fused.region(when=_one_region)
     def _out_mlp(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.o_proj(y)
         return x + self.mlp(self.post_attention_layernorm(x))
