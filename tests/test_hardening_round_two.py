@@ -197,7 +197,9 @@ def test_the_body_limit_follows_the_queue_unless_given(model_dir, tmp_path):
         assert ok.status_code == 200
     finally:
         srv.stop()
-    assert "request bodies up to 1.2 MiB (--max-request-bytes; from 40000 queued tokens)" in (tmp_path / "log").read_text()
+    assert (
+        "request bodies up to 1.2 MiB (--max-request-bytes; from 40000 queued tokens)" in (tmp_path / "log").read_text()
+    )
 
 
 def _probe(url, stop, worst):
