@@ -60,7 +60,11 @@ def test_models_info_and_metrics_list_every_model_with_its_task(stack):
     ]  # fmt: skip
     info = httpx.get(stack.url + "/info").json()
     assert info["model"] == "embed" and [m["model"] for m in info["models"]] == ["embed", "rerank", "sparse"]
-    assert [m["outputs"] for m in info["models"]] == [["embed", "token_embed"], [], ["embed", "token_classify"]]
+    assert [m["outputs"] for m in info["models"]] == [
+        ["embed", "token_embed"],
+        ["classify"],
+        ["embed", "token_classify"],
+    ]
     assert info["models"][1]["dtype"] == "float32" and info["models"][2]["max_model_len"] == 32
     httpx.post(stack.url + "/rerank", json={"model": "ce", "query": "q", "documents": ["a", "b"]})
     metrics = httpx.get(stack.url + "/metrics").text

@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 __all__ = [
+    "POOLED",
     "Activation",
     "HeadSpec",
     "KernelStatus",
@@ -27,9 +28,12 @@ Task = Literal["embed", "score"]
 """embed: a vector per input (embedding models); score: a relevance score per (query, document) pair
 (cross-encoders and rerankers)."""
 Activation = Literal["sigmoid", "softmax", "identity"]
-Output = Literal["embed", "token_embed", "token_classify"]
-"""What a request wants of each input (vLLM's pooling task names): embed, its pooled vector; token_embed, a vector
-per token; token_classify, a weight per token (bge-m3's sparse head)."""
+Output = Literal["embed", "classify", "token_embed", "token_classify"]
+"""What a request wants of each input (vLLM's pooling task names): embed, its pooled vector; classify, a
+classifier's logits (one row per input, as embed, never chunked nor normalised); token_embed, a vector per token;
+token_classify, a weight per token (bge-m3's sparse head)."""
+POOLED: frozenset[Output] = frozenset({"embed", "classify"})
+"""The outputs answered by the head's pooled row (one per input)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,11 @@ class HeadSpec:
     """Outputs of a score model's classifier: (num_labels,) logits per pair."""
     activation: Activation = "identity"
     """What turns a score model's logits into scores (sentence-transformers' and vLLM's choice)."""
+    labels: tuple[str, ...] = ()
+    """A classifier's label per logit (config.json's id2label, LABEL_i where it has none)."""
+    classify_activation: Activation = "softmax"
+    """What turns a classifier's logits into /classify's probabilities (config.json's problem_type, as
+    transformers' pipeline and vLLM decide)."""
     pair_prompt: PairPrompt | None = None
     """How a pair becomes one input: None, the tokenizer's pair template ([CLS] q [SEP] d [SEP]); else this prompt."""
 

@@ -709,6 +709,8 @@ def build_cross_encoder(
     seed: int = 0,
     activation_fn: str | None = None,
     max_position: int = 512,
+    id2label: dict[int, str] | None = None,
+    problem_type: str | None = None,
 ) -> Path:
     """A small ``*ForSequenceClassification`` checkpoint (random weights) as transformers saves it: BERT with the
     MiniLM WordPiece tokenizer, XLM-R / RoBERTa with the small Unigram one (both with their pair templates).
@@ -725,6 +727,10 @@ def build_cross_encoder(
         max_position=max_position,
     )  # fmt: skip
     config.num_labels = labels
+    if id2label is not None:
+        config.id2label, config.label2id = dict(id2label), {v: k for k, v in id2label.items()}
+    if problem_type is not None:
+        config.problem_type = problem_type
     classes = {
         "bert": transformers.BertForSequenceClassification,
         "xlm-roberta": transformers.XLMRobertaForSequenceClassification,

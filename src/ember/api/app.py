@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.middleware.cors import CORSMiddleware
 
+from ember.api.classify import classify
 from ember.api.cohere import cohere
 from ember.api.context import Context, Served
 from ember.api.errors import install_error_handlers
@@ -105,7 +106,7 @@ def create_app(
         _watch(metrics, served, config)
     install_error_handlers(app)
     install_openapi(app)
-    guarded = (inference, pooling, scoring, cohere, invocations, sparse)  # the API key guards these routes
+    guarded = (inference, pooling, classify, scoring, cohere, invocations, sparse)  # the API key guards these routes
     for router in (*guarded, probes):
         app.include_router(router)
     protected = {route.path for router in guarded for route in router.routes}  # type: ignore[attr-defined]

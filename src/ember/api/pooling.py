@@ -7,6 +7,7 @@ from typing import Any, get_args
 
 from fastapi import APIRouter, Request, Response
 
+from ember.api.classify import classify_params, probabilities
 from ember.api.responses import JSONBytes
 from ember.api.routes import (
     check_count,
@@ -29,8 +30,8 @@ pooling = APIRouter()
 
 
 def pooling_tasks(info: ModelInfo) -> tuple[str, ...]:
-    """The pooling tasks a model runs, as its head declares them (none for a score model: it answers /score and
-    /rerank)."""
+    """The pooling tasks a model runs, as its head declares them (a score model's: classify; it answers /score and
+    /rerank too)."""
     return info.head.outputs
 
 
@@ -40,7 +41,7 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     vLLM's message."""
     engine = context(request).served(body.model).engine
     supported = pooling_tasks(engine.info)
-    task = body.task or engine.preprocessor.pooler.task or "embed"
+    task = body.task or engine.preprocessor.pooler.task or (supported or ("embed",))[0]
     if task in REMOVED_TASKS:
         raise InputError(REMOVED_TASKS[task], "task")
     if task not in get_args(PoolingTask):
@@ -53,8 +54,25 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     for field in ("top_k", "return_tokens"):
         if getattr(body, field) is not None:
             raise InputError(f"{field} applies to task token_classify (sparse weights), not {task}", field)
+    if task == "classify":
+        return await _class_probabilities(request, body)
     output: Output = "token_embed" if task == "token_embed" else "embed"
     return await vectors_response(request, body, prefix="pool", kind="pooling", field="data", output=output)
+
+
+async def _class_probabilities(request: Request, body: PoolingRequest) -> Response:
+    """classify: per input, its probabilities (logits with `use_activation: false`) as `data`, as vLLM answers."""
+    check_count(request, input_count(body.input), "input")
+    params = classify_params(body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
+    ctx, result, tokens = await engine_call(
+        request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
+    )
+    head = ctx.served(body.model).engine.info.head
+    data = [
+        {"index": i, "object": "pooling", "data": probabilities(v, head, body.use_activation).tolist()}
+        for i, v in enumerate(result.vectors)
+    ]
+    return JSONBytes(envelope(ctx, request, "pool", data, tokens))
 
 
 async def _sparse_weights(request: Request, body: PoolingRequest) -> Response:

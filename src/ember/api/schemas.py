@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "REMOVED_TASKS",
+    "ClassifyRequest",
     "DetokenizeRequest",
     "DetokenizeResponse",
     "EmbeddingRequest",
@@ -59,6 +60,18 @@ class EmbeddingRequest(_Request):
         description="ember extension: compact codes instead of floats (as Cohere's embedding_types): int8/uint8 per "
         "value, binary/ubinary one bit per value packed in bytes; as JSON integers, or their bytes for base64/bytes",
     )
+
+
+class ClassifyRequest(_Request):
+    """POST /classify (vLLM's fields)."""
+
+    model: str | None = None
+    input: Input
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="-1: max-model-len; k: keep k tokens")
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = Field(None, description="false: raw logits in `probs`")
+    user: str | None = None
 
 
 PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin", "embed&token_classify"]

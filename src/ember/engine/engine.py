@@ -196,7 +196,7 @@ class AsyncEngine:
         the client's own limit in seconds, refused at once (429) when the estimated wait exceeds it."""
         params = params or EmbedParams()
         self._check_accepting()
-        if self.info.task != "embed":
+        if self.info.task != "embed" and params.output != "classify":
             raise InputError(
                 f"model {self.info.name!r} ({self.info.architecture}) scores (query, document) pairs: use /rerank or "
                 "/score",
@@ -236,7 +236,10 @@ class AsyncEngine:
         tokenized = time.monotonic() - start
         request = await self._run_request(*self.pairs.windows(built), timeout=timeout)
         scores = self.pairs.scores(request.pooled, len(built), params)
-        return ScoreResult(scores, request.token_counts, *self._times(request), tokenized, tuple(request.batches))
+        logits = tuple(request.pooled[(i, 0)] for i in range(len(built)))
+        return ScoreResult(
+            scores, request.token_counts, *self._times(request), tokenized, tuple(request.batches), logits
+        )
 
     async def _cosine(self, pairs: list[tuple[str, str]], params: ScoreParams, timeout: float | None) -> ScoreResult:
         """An embedding model's score: each distinct text embedded once, then the cosine of each pair's vectors."""

@@ -18,7 +18,7 @@ from ember.engine.chunking import Specials, embed_windows, split_windows, token_
 from ember.engine.lexical import TokenWeights
 from ember.errors import ConfigError, InputError, InputTooLongError
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo, Output
+from ember.types import POOLED, ModelInfo, Output
 
 __all__ = [
     "EmbedParams",
@@ -253,7 +253,7 @@ class Preprocessor:
         seqs = tokenize(self.tokenizer, prepared.items, prepared.prompt, params.add_special_tokens)
         specials, max_len = self.tokenizer.special_tokens, self.info.max_model_len
         # a weight per token merges across windows (each token once); token vectors are given per window only
-        chunked = self.pooler.enable_chunked_processing and params.output != "token_embed"
+        chunked = self.pooler.enable_chunked_processing and params.output not in ("token_embed", "classify")
         pooler = replace(self.pooler, enable_chunked_processing=chunked)
         return [
             fit_length(
@@ -274,7 +274,7 @@ class Preprocessor:
         """Each input's answer from its pooled windows (keyed (input, window)): its vector, head applied and merged
         when chunked; for token_embed its (tokens, D) vectors with the head applied to every row; for
         token_classify its TokenWeights."""
-        if prepared.output == "embed":
+        if prepared.output in POOLED:
             merge = self.info.head.merge
             return [
                 embed_windows(

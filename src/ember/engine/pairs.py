@@ -16,9 +16,9 @@ import numpy as np
 from ember.engine.inputs import check_length, truncation_length
 from ember.errors import InputError
 from ember.tokenizer import Tokenizer
-from ember.types import ModelInfo, PairPrompt
+from ember.types import Activation, ModelInfo, PairPrompt
 
-__all__ = ["Pair", "PairPreprocessor", "ScoreParams", "cosine_scores", "distinct_texts"]
+__all__ = ["Pair", "PairPreprocessor", "ScoreParams", "activate", "cosine_scores", "distinct_texts"]
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,19 @@ class PairPreprocessor:
     def score(self, logits: np.ndarray, params: ScoreParams) -> float:
         """One pair's score from its logits (num_labels,): the model's activation unless use_activation is false;
         with several labels, the last one's (the "relevant" class of a two-label classifier)."""
-        x = logits.astype(np.float64)
         act = self.info.head.activation if params.use_activation is not False else "identity"
-        if act == "sigmoid":
-            x = 1.0 / (1.0 + np.exp(-x))
-        elif act == "softmax":
-            x = np.exp(x - x.max())
-            x = x / x.sum()
-        return float(x[-1])
+        return float(activate(logits, act)[-1])
+
+
+def activate(logits: np.ndarray, act: Activation) -> np.ndarray:
+    """A classifier's (num_labels,) logits through `act`, in float64: sigmoid each, softmax over all, or as they are."""
+    x = np.asarray(logits, np.float64)
+    if act == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-x))
+    if act == "softmax":
+        x = np.exp(x - x.max())
+        return x / x.sum()
+    return x
 
 
 def distinct_texts(pairs: list[tuple[str, str]]) -> list[str]:

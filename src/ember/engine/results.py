@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.engine.scheduler import BatchSpan
-from ember.types import Output
+from ember.types import POOLED, Output
 
 __all__ = ["EmbedResult", "ScoreResult", "answer_vectors"]
 
@@ -28,7 +28,7 @@ def answer_vectors(output: Output, inputs: int, tokens: int, dimension: int) -> 
     """The vectors of the model's width a request's answer holds, as the memory plan counts answers: one per input;
     one per token for token_embed; for token_classify a weight per token and a sparse entry (id, weight, text) per
     distinct token, some 8 numbers a token."""
-    if output == "embed":
+    if output in POOLED:
         return inputs
     if output == "token_embed":
         return tokens
@@ -45,3 +45,5 @@ class ScoreResult:
     inference_seconds: float
     tokenize_seconds: float = 0.0
     batches: tuple[BatchSpan, ...] = ()
+    logits: tuple[Any, ...] = ()
+    """A score model's (num_labels,) logits per pair, before its activation (none for an embedding model's cosine)."""

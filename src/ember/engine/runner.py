@@ -18,7 +18,7 @@ from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
-from ember.types import KernelStatus, ModelInfo, Output
+from ember.types import POOLED, KernelStatus, ModelInfo, Output
 
 __all__ = ["TorchRunner", "padded_tokens"]
 
@@ -41,7 +41,7 @@ class TorchRunner:
     def run(
         self, batch: list[list[int]], token_types: list[list[int]] | None = None, outputs: list[Output] | None = None
     ) -> np.ndarray | list[np.ndarray]:
-        if outputs is not None and all(o == "embed" for o in outputs):
+        if outputs is not None and all(o in POOLED for o in outputs):
             outputs = None  # every row wants its pooled vector
         plan = None
         if self.share_prefixes and outputs is None:
@@ -65,7 +65,7 @@ class TorchRunner:
         if outputs is None:
             return answers
         return [
-            row if output == "embed" else self.head.tokens(states, output).numpy()
+            row if output in POOLED else self.head.tokens(states, output).numpy()
             for row, states, output in zip(answers, hidden.split(seqlens), outputs, strict=True)
         ]
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ember.config import EngineConfig
 from ember.errors import OverloadedError
-from ember.types import Output
+from ember.types import POOLED, Output
 
 __all__ = ["BatchSpan", "Request", "Scheduler", "WorkItem", "batch_inputs"]
 
@@ -307,7 +307,7 @@ def batch_inputs(batch: list[WorkItem]) -> tuple[list[list[int]], list[list[int]
     requests wants more than pooled vectors, each row's output (else None)."""
     ids = [it.ids for it in batch]
     outputs = [it.request.output for it in batch]
-    wanted = outputs if any(o != "embed" for o in outputs) else None
+    wanted = outputs if any(o not in POOLED for o in outputs) else None
     if all(it.types is None for it in batch):
         return ids, None, wanted
     return ids, [it.types if it.types is not None else [0] * len(it.ids) for it in batch], wanted

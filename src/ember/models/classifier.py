@@ -34,6 +34,8 @@ __all__ = [
     "RobertaForSequenceClassification",
     "ScoreHead",
     "activation",
+    "classify_activation",
+    "label_names",
     "num_labels",
 ]
 
@@ -68,7 +70,15 @@ class ScoreHead(Head):
         labels = num_labels(cfg)
         super().__init__(method, labels)
         self.model = model
-        self.spec = HeadSpec("score", (), num_labels=labels, activation=activation(cfg), pair_prompt=model.pair_prompt)
+        self.spec = HeadSpec(
+            "score",
+            ("classify",),
+            num_labels=labels,
+            activation=activation(cfg),
+            pair_prompt=model.pair_prompt,
+            labels=label_names(cfg, labels),
+            classify_activation=classify_activation(cfg, labels),
+        )
 
     def __call__(self, hidden: torch.Tensor, seqlens: list[int], owners: list[int] | None = None) -> torch.Tensor:
         pooled = self.pool(hidden, seqlens, owners)
@@ -211,6 +221,24 @@ class DecoderForSequenceClassification(_ScoreModel, LlamaModel):
 
 
 _ACTIVATIONS: dict[str, Activation] = {"identity": "identity", "sigmoid": "sigmoid", "softmax": "softmax"}
+
+
+def label_names(cfg: dict[str, Any], labels: int) -> tuple[str, ...]:
+    """Each logit's label: config.json's id2label (keys are strings there), LABEL_i for any it leaves out."""
+    given = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    return tuple(given.get(i, f"LABEL_{i}") for i in range(labels))
+
+
+def classify_activation(cfg: dict[str, Any], labels: int) -> Activation:
+    """/classify's: as transformers' text-classification pipeline and vLLM read config.json's problem_type
+    (regression: the logits; multi_label_classification: sigmoid each; single_label_classification: softmax),
+    else sigmoid for one label and softmax for more."""
+    kind = cfg.get("problem_type")
+    if kind == "regression":
+        return "identity"
+    if kind == "multi_label_classification" or (kind != "single_label_classification" and labels == 1):
+        return "sigmoid"
+    return "softmax"
 
 
 def activation(cfg: dict[str, Any]) -> Activation:
