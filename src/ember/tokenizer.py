@@ -117,6 +117,17 @@ class Tokenizer:
             out.append((joined.ids, joined.type_ids))
         return out
 
+    def pieces(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, bool, int, int]]:
+        """Each token of one text: (id, whether it is special, start, end), the offsets in characters of `text`."""
+        try:
+            enc = self._hf.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            raise _not_unicode([text]) from None
+        return [
+            (i, bool(special), start, end)
+            for i, special, (start, end) in zip(enc.ids, enc.special_tokens_mask, enc.offsets, strict=True)
+        ]
+
     def token_id(self, token: str) -> int | None:
         """The id of a token string (None when it is not in the vocabulary)."""
         return self._hf.token_to_id(token)

@@ -24,6 +24,8 @@ from ember.api.pooling import pooling
 from ember.api.routes import inference, probes
 from ember.api.scoring import scoring
 from ember.api.sparse import sparse
+from ember.api.tei import tei
+from ember.api.tokens import tokens
 from ember.config import ServerConfig
 from ember.engine.engine import AsyncEngine
 from ember.version import __version__
@@ -106,7 +108,8 @@ def create_app(
         _watch(metrics, served, config)
     install_error_handlers(app)
     install_openapi(app)
-    guarded = (inference, pooling, classify, scoring, cohere, invocations, sparse)  # the API key guards these routes
+    # the API key guards these routes
+    guarded = (inference, tokens, pooling, classify, scoring, cohere, invocations, sparse, tei)
     for router in (*guarded, probes):
         app.include_router(router)
     protected = {route.path for router in guarded for route in router.routes}  # type: ignore[attr-defined]

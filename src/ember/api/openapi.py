@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ember.api.errors import TEI_PATHS
 from ember.api.schemas import EmbeddingRequest, RerankRequest, ScoreRequest
 
 __all__ = ["install_openapi"]
@@ -30,6 +31,17 @@ _ERROR = {
         }
     },
 }
+_TEI_ERROR = {
+    "type": "object",
+    "required": ["error", "error_type"],
+    "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
+}
+_TEI_ERRORS = {
+    "422": "TEI: invalid input",
+    "424": "TEI: this model cannot answer the route",
+}
+TEI_FORMS = ("/rerank", "/v1/rerank", "/v2/rerank", "/tokenize")
+"""Routes that answer in TEI's shape when asked in TEI's form."""
 _INFERENCE_ERRORS = {
     "400": "Invalid request (field, value, length, or not JSON)",
     "401": "Missing or wrong API key",
@@ -53,6 +65,11 @@ TAGS = {
         "Relevance of documents to a query: Jina/Cohere rerank and vLLM's score",
         ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"),
     ),
+    "classification": ("A sequence classifier's labels: vLLM's /classify", ("/classify", "/v1/classify")),
+    "TEI": (
+        "Text Embeddings Inference's native routes",
+        ("/", "/embed", "/embed_all", "/predict", "/similarity", "/decode"),
+    ),
     "tokens": ("The model's tokenizer", ("/tokenize", "/detokenize")),
     "models": ("What this server serves", ("/v1/models", "/info", "/version")),
     "SageMaker": ("Amazon SageMaker's single route, for every kind of request", ("/invocations",)),
@@ -62,13 +79,15 @@ TAGS = {
 _TAG_OF = {path: tag for tag, (_, paths) in TAGS.items() for path in paths}
 
 
-def _error(description: str) -> dict[str, Any]:
-    body = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
-    return {"description": description, "content": {"application/json": body}}
+def _error(description: str, tei: bool = False) -> dict[str, Any]:
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    either = {"anyOf": [ref, {"$ref": "#/components/schemas/TeiErrorResponse"}]}
+    return {"description": description, "content": {"application/json": {"schema": either if tei else ref}}}
 
 
 def _fix(schema: dict[str, Any]) -> None:
     schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = _ERROR
+    schema["components"]["schemas"]["TeiErrorResponse"] = _TEI_ERROR
     for name in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(name, None)
     schema["components"]["securitySchemes"] = _SECURITY
@@ -86,7 +105,12 @@ def _fix(schema: dict[str, Any]) -> None:
                 if path in ("/v1/embeddings", "/pooling", "/invocations"):  # encoding_format bytes / bytes_only
                     content = responses.setdefault("200", {"description": "OK"}).setdefault("content", {})
                     content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
-                responses.update({status: _error(text) for status, text in _INFERENCE_ERRORS.items()})
+                tei = path in TEI_PATHS or path in TEI_FORMS
+                errors = _INFERENCE_ERRORS | (_TEI_ERRORS if tei else {})
+                responses.update({status: _error(text, tei) for status, text in errors.items()})
+                if path == "/tokenize":  # TEI's form answers with a list of token lists
+                    ok = responses["200"]["content"]["application/json"]
+                    ok["schema"] = {"anyOf": [ok["schema"], {"type": "array"}]}
             elif path == "/v1/models":
                 responses["401"] = _error(_INFERENCE_ERRORS["401"])
             if "401" in responses:  # the routes the key guards: either header satisfies it

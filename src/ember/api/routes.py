@@ -1,4 +1,4 @@
-"""The HTTP routes: embeddings, pooling, tokenize, models, health, version, info, metrics.
+"""The HTTP routes: embeddings, models, health, version, info, metrics; the helpers every inference route shares.
 
 Handlers only translate: request body -> engine call -> response body. Inference routes sit
 behind the API key; probes and /metrics stay open.
@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
@@ -18,17 +18,13 @@ from ember.api.context import Context, Served, context
 from ember.api.encoding import bytes_response, check_metadata, encode, quantize
 from ember.api.responses import JSONBytes, usage
 from ember.api.schemas import (
-    DetokenizeRequest,
-    DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
 )
 from ember.engine.engine import AsyncEngine, EmbedParams
 from ember.engine.scheduler import BatchSpan
-from ember.errors import InputError, RequestTooLargeError
+from ember.errors import InputError
 from ember.types import Output
 from ember.version import __version__
 
@@ -218,54 +214,6 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await vectors_response(request, body, prefix="embd", kind="embedding", field="embedding")
 
 
-START_CHARS_PER_TOKEN = 8
-"""/tokenize counts the start of a text longer than this many characters per token of the limit first."""
-
-
-def _start_of_long(text: str, limit: int) -> str | None:
-    """The start of a text of more than START_CHARS_PER_TOKEN x `limit` characters, cut at the last whitespace
-    before that length; None for shorter texts (or one with no whitespace there). Tokenisers split words at
-    whitespace before anything else, so the start's tokens are the text's first tokens: more than `limit` of them
-    and the whole text holds more."""
-    end = START_CHARS_PER_TOKEN * limit
-    if len(text) <= end:
-        return None
-    cut = max(text.rfind(c, 0, end) for c in " \n\t")
-    return text[:cut] if cut > 0 else None
-
-
-def _too_many_tokens(count: str, limit: int) -> NoReturn:
-    raise RequestTooLargeError(
-        f"this prompt holds {count} tokens, more than one request may ({limit}, --max-queued-tokens as the memory plan "
-        "allows)",
-        "prompt",
-    )
-
-
-@inference.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    engine = context(request).served(body.model).engine
-    tok = engine.tokenizer
-    limit = engine.config.max_queued_tokens
-    start = _start_of_long(body.prompt, limit)
-    if start is not None:  # a text far longer than the limit: its start alone tells, without tokenising the rest
-        counted = len(await engine.run_in_tokenizer(tok.encode, start, False))
-        if counted > limit:
-            _too_many_tokens(f"more than {counted}", limit)
-    ids: list[int] = await engine.run_in_tokenizer(tok.encode, body.prompt, body.add_special_tokens)
-    if len(ids) > limit:  # the same bound as one embedding request, before the token strings and the JSON
-        _too_many_tokens(str(len(ids)), limit)
-    strs = [tok.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
-
-
-@inference.post("/detokenize", response_model=DetokenizeResponse)
-async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    engine = context(request).served(body.model).engine
-    text: str = await engine.run_in_tokenizer(engine.tokenizer.decode, body.tokens)
-    return DetokenizeResponse(prompt=text)
-
-
 @inference.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, Any]:
     """Every name of every model, each with its task."""
@@ -302,8 +250,42 @@ async def version() -> dict[str, str]:
 async def info(request: Request) -> dict[str, Any]:
     """What this server runs: each model, its task and dtype, and which kernels are active and why (the first
     model's fields at the top level, as a single-model server reports them)."""
-    models = [_card(served) for served in context(request).models]
-    return {"version": __version__, **models[0], "models": models}
+    ctx = context(request)
+    models = [_card(served) for served in ctx.models]
+    return {"version": __version__, **models[0], **_tei_info(ctx, ctx.models[0]), "models": models}
+
+
+_TEI_POOLING = {"CLS": "cls", "MEAN": "mean", "LAST": "last_token", "SPLADE": "splade"}
+
+
+def _tei_info(ctx: Context, served: Served) -> dict[str, Any]:
+    """TEI's /info fields for the first model (its clients read model_type and the limits)."""
+    info, config = served.engine.info, served.engine.config
+    head = info.head
+    if head.task == "score":
+        labels: dict[str, Any] = {
+            "id2label": {str(i): n for i, n in enumerate(head.labels)},
+            "label2id": {n: i for i, n in enumerate(head.labels)},
+        }
+        model_type: dict[str, Any] = {"reranker" if head.num_labels == 1 else "classifier": labels}
+    else:
+        model_type = {"embedding": {"pooling": _TEI_POOLING.get(info.pooling.method, info.pooling.method.lower())}}
+    return {
+        "model_id": served.path or served.name,
+        "model_sha": None,
+        "model_dtype": info.dtype,
+        "served_model_name": served.name,
+        "model_type": model_type,
+        "max_concurrent_requests": config.max_num_seqs,
+        "max_input_length": info.max_model_len,
+        "max_batch_tokens": config.max_num_batched_tokens,
+        "max_batch_requests": config.max_num_seqs,
+        "max_client_batch_size": ctx.config.max_inputs_per_request,
+        "auto_truncate": served.engine.preprocessor.auto_truncate,
+        "tokenization_workers": 1,
+        "sha": None,
+        "docker_label": None,
+    }
 
 
 def _card(served: Served) -> dict[str, Any]:

@@ -142,10 +142,14 @@ class PoolingResponse(BaseModel):
 
 
 class TokenizeRequest(_Request):
+    """POST /tokenize: vLLM's `prompt`, or TEI's `inputs` (a text or a list)."""
+
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    inputs: str | list[str] | None = Field(None, description="TEI: the texts; the answer is then TEI's list")
+    prompt_name: str | None = Field(None, description="TEI: a prompt of the model's put before each text")
 
 
 class TokenizeResponse(BaseModel):
@@ -187,11 +191,11 @@ class RerankDocument(BaseModel):
 
 
 class RerankRequest(_Request):
-    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's and Cohere's fields)."""
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's and Cohere's fields; TEI's `texts` form on /rerank)."""
 
     model: str | None = None
     query: str
-    documents: list[str | RerankDocument]
+    documents: list[str | RerankDocument] | None = None
     top_n: int | None = Field(None, ge=0, description="the best n results; null or 0: all")
     return_documents: bool | None = Field(None, description="each result carries its document unless false")
     max_tokens_per_doc: int | None = Field(None, ge=0, description="cut each document to this many tokens (0: no cut)")
@@ -199,6 +203,11 @@ class RerankRequest(_Request):
     instruction: str | None = Field(None, description="Qwen3-Reranker's task instruction")
     use_activation: bool | None = Field(None, description="false: raw logits")
     rank_fields: list[str] | None = None
+    texts: list[str] | None = Field(None, description="TEI: the documents; the answer is then TEI's list")
+    raw_scores: bool = Field(False, description="TEI: raw logits")
+    return_text: bool = Field(False, description="TEI: each result carries its text")
+    truncate: bool | None = Field(None, description="TEI: true cuts each pair to max-model-len")
+    truncation_direction: Literal["right", "left", "Right", "Left"] | None = None
 
 
 class ScoreRequest(_Request):

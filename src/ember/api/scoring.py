@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request, Response
 from ember.api.responses import JSONBytes, usage
 from ember.api.routes import check_count, engine_call
 from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
+from ember.api.tei import tei_rerank
 from ember.engine.engine import ScoreParams
 from ember.errors import InputError
 
@@ -29,7 +30,11 @@ def _text(doc: str | RerankDocument) -> str:
 @scoring.post("/v1/rerank")
 @scoring.post("/v2/rerank")
 async def rerank(body: RerankRequest, request: Request) -> Response:
-    """Documents ranked by relevance to the query, best first (vLLM's response, with Cohere's `meta`)."""
+    """Documents ranked by relevance to the query, best first (vLLM's response, with Cohere's `meta`; TEI's list
+    for a body in TEI's form, `texts` in place of `documents`)."""
+    if body.texts is not None and body.documents is None:
+        request.state.tei = True
+        return await tei_rerank(body, request)
     if not body.documents:
         raise InputError("At least one text_pair element must be given ('documents' is empty)", "documents")
     check_count(request, len(body.documents), "documents")

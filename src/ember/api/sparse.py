@@ -13,14 +13,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.api.responses import JSONBytes
 from ember.api.routes import check_count, context, engine_call
 from ember.engine.engine import EmbedParams
 from ember.engine.lexical import lexical, sparse_output
-from ember.errors import InputError
 from ember.tokenizer import Tokenizer
 
 __all__ = ["EmbedSparseRequest", "sparse", "token_entries", "top_lexical"]
@@ -69,14 +68,14 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     engine = served.engine
     output = sparse_output(engine.info)
     if output is None:
-        raise InputError(
+        raise HTTPException(
+            424,
             f"model {served.name!r} ({engine.info.architecture}) gives dense embeddings: /embed_sparse needs "
             "a sparse model (SPLADE, or bge-m3 with its sparse head)",
-            "inputs",
         )
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
-        raise InputError("`inputs` cannot be empty", "inputs")
+        raise HTTPException(400, "`inputs` cannot be empty")
     check_count(request, len(texts), "inputs")
     side: Literal["left", "right"] = "left" if body.truncation_direction.lower() == "left" else "right"
     params = EmbedParams(
