@@ -267,3 +267,35 @@ def test_in_a_2_gib_cgroup_21_slow_readers_of_large_answers_do_not_kill_the_serv
             for s in readers:
                 s.close()
             srv.stop()
+
+
+def test_largest_valid_bodies_are_parsed_while_health_answers_within_a_second(model_dir, tmp_path):
+    """Three bodies of 2,048 x 250 token ids at once (half a million JSON values each, inside the value bound, so
+    each is parsed and validated whole on the event loop), refused only after parsing (`dimensions` on a model
+    without Matryoshka), so nothing is computed: the probes still answer within a second."""
+    ids = [[1037 + (i % 500) for i in range(250)]] * 2048
+    body = json.dumps({"input": ids, "dimensions": 8}).encode()
+    srv = Server([str(model_dir), "--max-queued-tokens", "600000"], tmp_path / "log")
+    stop, worst = threading.Event(), []
+    prober = threading.Thread(target=_probe, args=(srv.url, stop, worst))
+    prober.start()
+    statuses = []
+
+    def send() -> None:
+        r = httpx.post(
+            srv.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"}, timeout=60
+        )
+        statuses.append((r.status_code, r.json()["error"]["param"]))
+
+    try:
+        senders = [threading.Thread(target=send) for _ in range(3)]
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join()
+    finally:
+        stop.set()
+        prober.join()
+        srv.stop()
+    assert statuses == [(400, "dimensions")] * 3
+    assert worst and max(worst) < 1.0, f"/health took {max(worst):.2f} s"
