@@ -203,7 +203,7 @@ class EngineConfig:
     so two queries run together cost little more than one, and closed-loop clients stop alternating.
     The engine ends the wait early once the requests it expects have arrived (see AsyncEngine._gather), so
     the bound matters only for a straggler: 25 ms rather than 10 let late queries join their batch instead of
-    waiting a whole forward for the next (0.6B int8, 8 clients: p99 0.75x, p50 0.98x; MiniLM: unchanged)."""
+    waiting a whole forward for the next (a lower p99 with 8 clients; benchmarks/NOTES.md)."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
     compile_kernels: bool = False

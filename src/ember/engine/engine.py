@@ -119,8 +119,8 @@ class AsyncEngine:
 
         All model work stays on that one thread: OpenMP keeps a pool of workers for each thread that ran
         parallel work, and once they outnumber the CPUs its workers sleep between kernels instead of
-        spinning (measured on all-MiniLM: a core idle 27% of the time over HTTP instead of 11%, and in-process
-        a forward 1.08-1.14x slower beside one extra pool). Kernels are built on a thread of their own that
+        spinning (measured on all-MiniLM: cores left idle over HTTP, and slower forwards beside one extra pool;
+        benchmarks/NOTES.md). Kernels are built on a thread of their own that
         ends when they are, so its pool goes with it."""
         self._wakeup = asyncio.Event()
         warm = [self.tokenizer.encode("warm up")]

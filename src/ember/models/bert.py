@@ -114,7 +114,7 @@ class DenseNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # eager on purpose: LayerNorm and GELU are single ATen kernels already, and at MiniLM's sizes a
-        # compiled wrapper's per-call cost made it slower (measured 0.81-0.89x)
+        # compiled wrapper's per-call cost made it slower (benchmarks/NOTES.md)
         return self.LayerNorm(self.dense(x) + residual)
 
 

@@ -190,10 +190,9 @@ class Block(nn.Module):
     # With int8 weights, and float32 ones on ember's float32 product, each layer (up to a slice of tokens; longer
     # batches: each per-token stretch between attentions) is compiled as one region, so the residual adds and norms
     # fuse around the GEMMs, and a forward enters one compiled region per layer rather than two with Python between
-    # them (attention is the op packed_attention inside it). int8: one query of 21 tokens 0.95x the time, 8 of them
-    # 0.99x, 2,048 tokens unchanged (two models in one process, alternating). float32 on a Zen 3 EPYC: one 15-token
-    # query 0.78-0.93x the time, 8 x 20 words 0.93-1.00x, 4 x 500 words level (processes alternating). In bf16 an
-    # A/B against the per-function fused kernels was inconclusive, so bf16 keeps those.
+    # them (attention is the op packed_attention inside it). It shortened short queries in int8 and in float32 and
+    # left long batches level (docs/performance.md, Kernels; benchmarks/NOTES.md). In bf16 an A/B against the
+    # per-function fused kernels was inconclusive, so bf16 keeps those.
     @Fused.region(when=_one_region)
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         qkv = self._project(x, cos, sin)

@@ -13,8 +13,7 @@ similar-length sequences, padded only within the group, so no full T x T score m
 is ever built and short sequences do not pay for long ones.
 
 Lengths are rounded up to a multiple of 16 where that is cheap: torch's CPU flash attention is much
-slower on some other lengths (benchmarks/experiments/attention_lengths.py, causal, this layout: 301 tokens 2.8-3.2x,
-501 tokens 2-4x; over 512 tokens mostly 0.94-1.1x, 1001 tokens 1.3-1.6x). Under a causal
+slower on some other lengths (benchmarks/experiments/attention_lengths.py; benchmarks/NOTES.md). Under a causal
 mask the padding keys are seen only by padding queries, whose rows are dropped, so the result is
 unchanged; the padding is the next sequence's tokens, where there are enough of them (a zero-padded
 copy measured slower than no padding, so the last sequence of a batch is not padded). Bidirectional

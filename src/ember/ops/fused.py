@@ -1,8 +1,8 @@
 """The elementwise work between matrix multiplies (RMSNorm, q/k norm + rotary, SwiGLU), one pass each.
 
 In eager torch a bf16 RMSNorm is five passes over memory with float32 copies; these functions are
-written so that torch.compile (inductor's C++ backend) fuses each into one vectorised loop: ~3x
-faster kernels, 1.04-1.46x end-to-end on the 0.6B model (benchmarks/NOTES.md). Until `compiling()` has
+written so that torch.compile (inductor's C++ backend) fuses each into one vectorised loop, several
+times faster, and faster end to end (benchmarks/NOTES.md). Until `compiling()` has
 built them they run eagerly, so a model works the same with or without a C++ compiler.
 In bf16, where ember's native elementwise library runs (csrc/elementwise.cpp), SwiGLU and the q/k norm +
 rotary are its operators instead: inductor's kernels for them ran at 1/4-1/2 of memory speed.
@@ -93,7 +93,7 @@ def _mark_tokens_dynamic(args: tuple[Any, ...]) -> None:
     (tensors of 2+ dims) is symbolic, and the length of integer vectors (a batch's sequence offsets, for
     any number of sequences). Weights, head counts and widths stay constants; with every size
     symbolic (`dynamic=True`) inductor split the q/k norm + rotary into several loops over float32
-    temporaries, with masked tails: 3.33 against 2.74 ms per 2,048 tokens."""
+    temporaries, with masked tails, a slower kernel (benchmarks/NOTES.md)."""
     for a in args:
         if isinstance(a, torch.Tensor) and (a.dim() >= 2 or (a.dim() == 1 and not a.is_floating_point())):
             torch._dynamo.mark_dynamic(a, 0)

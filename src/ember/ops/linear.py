@@ -4,16 +4,15 @@ float32 layers on oneDNN's packed matmul too on AMD CPUs, and on AMD CPUs withou
 
 `F.linear` in bf16 re-lays its plain (N, K) weights into oneDNN's blocked format on every call, then
 adds the bias in a separate pass (a broadcast copy into the output); an activation after it is a third
-pass. Packed once, the product, bias and activation are one kernel: measured in-process against the eager
-layers (alternating, paired medians): all-MiniLM-L6-v2 1.11-1.17x end to end, the Qwen3-0.6B shape 1.20x
-on 8 short queries (1.00-1.10x on 2,048-token batches, where the per-call re-layout is amortised).
+pass. Packed once, the product, bias and activation are one kernel: faster end to end than the eager layers, most
+on short batches, where the per-call re-layout is not amortised (benchmarks/NOTES.md).
 Results equal the eager layers' to bf16 rounding; a CPU or torch build without oneDNN bf16 keeps nn.Linear.
 
-float32 `F.linear` is oneMKL's sgemm, whose small-row products are slow on AMD CPUs: on a Zen 3 EPYC (AVX2, 2
-threads), the Qwen3-0.6B shape's products over 28 layers took 513 ms at 18 rows against oneDNN's packed matmul's
-229 ms (2.24x), 1.54x at 64 rows, 1.17x at 160, level at 512, and 0.94-0.98x at 1,024-2,048 rows. So on AMD,
-float32 layers are packed for oneDNN too, and a product of more than F32_SLICE rows runs in slices of it (per row
-the fastest size). On Intel CPUs oneMKL stays (there oneDNN lost 3-6% on bulk batches on AVX-512).
+float32 `F.linear` is oneMKL's sgemm, whose small-row products are slow on AMD CPUs: on a Zen 3 EPYC oneDNN's
+packed matmul was more than twice as fast at a query's rows, level at 512 and slightly behind on longer batches
+(benchmarks/NOTES.md). So on AMD, float32 layers are packed for oneDNN too, and a product of more than F32_SLICE
+rows runs in slices of it (per row the fastest size). On Intel CPUs oneMKL stays (there oneDNN lost a few percent
+on bulk batches on AVX-512).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Weights are quantised once per output channel (symmetric), activations per token
 - ember's kernel (csrc/int8_gemm.cpp; AMX, or AVX-512 VNNI on CPUs without AMX such as AMD EPYC), on weights
   in its tile layout: it takes the float activations, quantises each token itself (bit for bit as
   _quantize_tokens) and applies both scales on the way out. Once ember.ops.native has built it,
-  `use_native_int8` repacks the layers for it (on AMX 1.2-1.6x oneDNN's matmul on a forward's GEMMs at
-  20-512 tokens, benchmarks/NOTES.md);
-- oneDNN's AMX matmul on weights packed once at load (`onednn::qlinear_pointwise`, 2-4x the bf16
+  `use_native_int8` repacks the layers for it (faster than oneDNN's matmul from 20 to 512 tokens: docs/performance.md,
+  Kernels);
+- oneDNN's AMX matmul on weights packed once at load (`onednn::qlinear_pointwise`, a multiple of the bf16
   GEMM rate on an AMX Xeon), which applies the weight scales; the token scales (which oneDNN takes only per
   tensor) are applied after it. On CPUs with AMX int8, layers start here, and stay here where the native
   kernel cannot run;
@@ -121,9 +121,8 @@ def _zero_points(n: int) -> torch.Tensor:
 @functools.cache
 def onednn_int8() -> bool:
     """Whether to use oneDNN's int8 matmul: on CPUs with AMX int8, where this torch build runs it (checked once on
-    a tiny product). Elsewhere torch._int_mm: on an AMD EPYC with AVX-512 VNNI (no AMX) oneDNN ran its reference
-    implementation (`ref_int8`, for the prepacked weights' layout), 3.2 s for a 512 x 384 x 1536 product against
-    0.8 ms for torch._int_mm; all-MiniLM-L6-v2 int8 took 72 s for 54 sentences."""
+    a tiny product). Elsewhere torch._int_mm: on an AMD EPYC with AVX-512 VNNI (no AMX) oneDNN runs its reference
+    implementation (`ref_int8`, for the prepacked weights' layout), thousands of times slower (benchmarks/NOTES.md)."""
     if "amx_int8" not in cpu_flags():
         return False
     try:
