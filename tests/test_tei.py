@@ -206,6 +206,15 @@ def test_embed_on_a_classifier_and_openai_routes_keep_their_shape(classifier, em
 # --------------------------------------------------------------------------- TEI's clients, real server
 
 
+@pytest.fixture
+def hub_online(monkeypatch):
+    """huggingface_hub refuses every URL, a local server's too, under HF_HUB_OFFLINE=1 (as CI runs): its
+    clients talk to ember only with offline mode off in their process."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
 @pytest.fixture(scope="module")
 def embed_server(bert_dir, tmp_path_factory):
     srv = Server([str(bert_dir), "--api-key", KEY, "--max-model-len", "64"], tmp_path_factory.mktemp("l") / "e.log")
@@ -220,7 +229,7 @@ def rank_server(reranker_dir, tmp_path_factory):
     srv.stop()
 
 
-def test_huggingface_hub_inference_client(embed_server, offline):
+def test_huggingface_hub_inference_client(hub_online, embed_server, offline):
     from huggingface_hub import InferenceClient
 
     client = InferenceClient(model=embed_server, token=KEY)
@@ -228,7 +237,7 @@ def test_huggingface_hub_inference_client(embed_server, offline):
     np.testing.assert_allclose(got, offline.embed(DOCUMENTS[:2]).vectors, atol=1e-5)
 
 
-def test_huggingface_hub_text_classification(classifier_dir, tmp_path):
+def test_huggingface_hub_text_classification(hub_online, classifier_dir, tmp_path):
     from huggingface_hub import InferenceClient
 
     srv = Server([str(classifier_dir), "--api-key", KEY, "--max-model-len", "64"], tmp_path / "c.log")
@@ -240,7 +249,7 @@ def test_huggingface_hub_text_classification(classifier_dir, tmp_path):
     assert got[0].label in LABELS.values() and 0 < got[0].score <= 1
 
 
-def test_langchain_huggingface_endpoint_embeddings(embed_server, offline):
+def test_langchain_huggingface_endpoint_embeddings(hub_online, embed_server, offline):
     """langchain-huggingface 1.2 refuses a URL as `model` (older releases took the TEI URL there): the class is
     built with a repo id and given an InferenceClient on ember's URL, as docs/clients.md shows."""
     pytest.importorskip("langchain_huggingface")
@@ -254,7 +263,7 @@ def test_langchain_huggingface_endpoint_embeddings(embed_server, offline):
     np.testing.assert_allclose(emb.embed_query(QUERIES[0]), offline.embed(QUERIES[:1]).vectors[0], atol=1e-5)
 
 
-def test_haystack_tei_embedder_and_ranker(embed_server, rank_server, offline):
+def test_haystack_tei_embedder_and_ranker(hub_online, embed_server, rank_server, offline):
     from haystack import Document
     from haystack.utils import Secret
     from haystack_integrations.components.embedders.huggingface_api import HuggingFaceAPIDocumentEmbedder
