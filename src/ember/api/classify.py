@@ -14,14 +14,15 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from ember.api.context import Context
 from ember.api.responses import JSONBytes
 from ember.api.routes import check_count, engine_call, envelope, input_count
-from ember.api.schemas import ClassifyRequest
+from ember.api.schemas import ClassifyRequest, PoolingRequest
 from ember.engine.engine import EmbedParams
 from ember.engine.pairs import activate
 from ember.types import HeadSpec
 
-__all__ = ["classify", "classify_params", "probabilities"]
+__all__ = ["class_probabilities", "classify", "classify_params", "probabilities"]
 
 classify = APIRouter()
 
@@ -47,19 +48,27 @@ def probabilities(logits: np.ndarray, head: HeadSpec, use_activation: bool | Non
     return activate(logits, head.classify_activation if use_activation is not False else "identity")
 
 
-@classify.post("/classify")
-@classify.post("/v1/classify")
-async def create_classify(body: ClassifyRequest, request: Request) -> Response:
-    """Per input: `label` (the most probable), `probs` (one per label, in id order) and `num_classes`."""
+async def class_probabilities(
+    request: Request, body: ClassifyRequest | PoolingRequest
+) -> tuple[Context, list[np.ndarray], int, HeadSpec]:
+    """Classify a request's inputs: the context, each input's probabilities (its logits with `use_activation:
+    false`), the tokens and the model's head."""
     check_count(request, input_count(body.input), "input")
     params = classify_params(body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
     ctx, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
     )
     head = ctx.served(body.model).engine.info.head
+    return ctx, [probabilities(v, head, body.use_activation) for v in result.vectors], tokens, head
+
+
+@classify.post("/classify")
+@classify.post("/v1/classify")
+async def create_classify(body: ClassifyRequest, request: Request) -> Response:
+    """Per input: `label` (the most probable), `probs` (one per label, in id order) and `num_classes`."""
+    ctx, rows, tokens, head = await class_probabilities(request, body)
     data: list[dict[str, Any]] = []
-    for i, logits in enumerate(result.vectors):
-        probs = probabilities(logits, head, body.use_activation)
+    for i, probs in enumerate(rows):
         label = head.labels[int(np.argmax(probs))] if head.labels else None
         data.append({"index": i, "label": label, "probs": probs.tolist(), "num_classes": len(probs)})
     return JSONBytes(envelope(ctx, request, "classify", data, tokens))

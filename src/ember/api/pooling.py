@@ -7,7 +7,7 @@ from typing import Any, get_args
 
 from fastapi import APIRouter, Request, Response
 
-from ember.api.classify import classify_params, probabilities
+from ember.api.classify import class_probabilities
 from ember.api.responses import JSONBytes
 from ember.api.routes import (
     check_count,
@@ -62,16 +62,8 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
 
 async def _class_probabilities(request: Request, body: PoolingRequest) -> Response:
     """classify: per input, its probabilities (logits with `use_activation: false`) as `data`, as vLLM answers."""
-    check_count(request, input_count(body.input), "input")
-    params = classify_params(body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
-    ctx, result, tokens = await engine_call(
-        request, body.model, lambda engine, timeout: engine.embed(body.input, params, timeout=timeout)
-    )
-    head = ctx.served(body.model).engine.info.head
-    data = [
-        {"index": i, "object": "pooling", "data": probabilities(v, head, body.use_activation).tolist()}
-        for i, v in enumerate(result.vectors)
-    ]
+    ctx, rows, tokens, _ = await class_probabilities(request, body)
+    data = [{"index": i, "object": "pooling", "data": probs.tolist()} for i, probs in enumerate(rows)]
     return JSONBytes(envelope(ctx, request, "pool", data, tokens))
 
 

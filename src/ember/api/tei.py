@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ember.api.classify import classify_params, probabilities
 from ember.api.context import Served
 from ember.api.responses import JSONBytes
-from ember.api.routes import check_count, context, engine_call
+from ember.api.routes import check_count, context, engine_call, input_count
 from ember.api.schemas import RerankRequest
 from ember.api.sparse import EmbedSparseRequest, embed_sparse
 from ember.engine.engine import EmbedParams
@@ -123,7 +123,7 @@ async def embed(body: TeiEmbedRequest, request: Request) -> Response:
     if served.engine.info.task != "embed":
         raise _wrong_model(served, "an embedding model")
     inputs = _texts(body.inputs)
-    check_count(request, 1 if isinstance(inputs, str) or isinstance(inputs[0], int) else len(inputs), "inputs")
+    check_count(request, input_count(inputs), "inputs")
     if body.dimensions is not None and body.dimensions < 1:
         raise InputError("`dimensions` should be positive", "dimensions")
     cut, side = truncation(body.truncate, body.truncation_direction)
@@ -145,7 +145,7 @@ async def embed_all(body: TeiEmbedRequest, request: Request) -> Response:
     if "token_embed" not in served.engine.info.head.outputs:
         raise _wrong_model(served, "an embedding model with a vector per token")
     inputs = _texts(body.inputs)
-    check_count(request, 1 if isinstance(inputs, str) or isinstance(inputs[0], int) else len(inputs), "inputs")
+    check_count(request, input_count(inputs), "inputs")
     cut, side = truncation(body.truncate, body.truncation_direction)
     params = EmbedParams(
         output="token_embed",
