@@ -1,6 +1,7 @@
 """ember inside a container's limits: auto threads under a 1-CPU quota, and peak RSS for 8k-token documents.
 
-    python benchmarks/experiments/container.py       # needs root and cgroup v1 (as on the CI machines); prints a table
+    PYTHONPATH=benchmarks python benchmarks/experiments/container.py
+    # needs root and cgroup v1 (as on the CI machines); prints a table
 
 1. A cgroup with a 1-CPU quota on this 2-CPU machine: `ember serve` with auto threads (it sees the quota and runs 1)
    against `--threads 2` (threads = all visible CPUs, what torch picks by itself), same workload, tokens/s ratio.
@@ -19,13 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+from harness import QWEN_DIR, peak_rss
+
+from ember.cli.bench import WORKLOADS, run_workload
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import QWEN_DIR, peak_rss  # noqa: E402
-
-from ember.cli.bench import WORKLOADS, run_workload  # noqa: E402
 
 PORT = 18321
 

@@ -1,7 +1,8 @@
 """`ember embed`'s memory over one long run: its resident set (and high-water mark) against the rows written, sampled
 every 2 s, to tell a bound (a step while the first parts warm the caches, then flat) from growth with the corpus.
 
-    python benchmarks/experiments/embed_rss.py --docs 50000 [--part-rows 2000] [-- extra ember embed flags]
+    PYTHONPATH=benchmarks python benchmarks/experiments/embed_rss.py --docs 50000 [--part-rows 2000] \
+        [-- extra ember embed flags]
 
 Documents have the `mixed` workload's lengths (benchmarks/indexing.py's corpus), truncated to the model's length.
 Results: benchmarks/results/embed-rss-<docs>.json (the high-water mark at every 10,000 rows and the last sample).
@@ -18,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import cpu_name
+from indexing import corpus
 
-from harness import cpu_name  # noqa: E402
-from indexing import corpus  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def memory(pid: int) -> dict[str, int]:

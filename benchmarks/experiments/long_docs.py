@@ -1,6 +1,7 @@
 """Long documents: peak server RSS for a 32,000-token document, and query latency while it is embedded.
 
-    python benchmarks/experiments/long_docs.py  # Qwen3-0.6B shape, bf16, --max-model-len 8192, chunked processing
+    PYTHONPATH=benchmarks python benchmarks/experiments/long_docs.py
+    # Qwen3-0.6B shape, bf16, --max-model-len 8192, chunked processing
 
 Prints the query p50/p99 on an idle server and while the long document runs, and the order things finished in.
 Never run beside tests or another benchmark.
@@ -10,19 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from harness import QWEN_DIR, peak_rss
+from run import start_server
+
+from ember.cli.bench import make_texts
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import QWEN_DIR, peak_rss  # noqa: E402
-from run import start_server  # noqa: E402
-
-from ember.cli.bench import make_texts  # noqa: E402
 
 URL = "http://127.0.0.1:18123"
 

@@ -1,7 +1,8 @@
 """Where one short query's time goes: tokenising, the forward layer by layer (attention, MLP, norms), pooling,
 the engine's own path (queue, batch wait, model thread), and HTTP end to end, each as a median.
 
-    python benchmarks/experiments/query_profile.py [--model models/qwen3-emb-0.6b-random] [--dtype auto] [--rounds 30]
+    PYTHONPATH=benchmarks python benchmarks/experiments/query_profile.py [--model models/qwen3-emb-0.6b-random] \
+        [--dtype auto] [--rounds 30]
 
 In-process parts run on the Embedder's runner with the server's threads; the HTTP part starts `ember serve` with
 its default flags (the embedding cache off, so every query is computed) and sends one query at a time. The GEMM
@@ -20,10 +21,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from run import start_server, stop  # restarts this script under tcmalloc, as the server runs
 
-from run import start_server, stop  # noqa: E402  (restarts this script under tcmalloc, as the server runs)
+ROOT = Path(__file__).resolve().parents[2]
 
 QUERY = "how do I size an embedding server for a four core kubernetes pod"
 

@@ -26,14 +26,13 @@ maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
 from ember import Embedder  # noqa: E402
 from ember.cli.bench import make_texts  # noqa: E402
 from ember.engine.cpu import set_threads  # noqa: E402
 from ember.models.checkpoint import DEFAULT_MODEL, resolve_model  # noqa: E402
 from ember.resources import cpu_budget  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 Encode = Callable[[list[str]], int]  # embeds the texts, returns the tokens it embedded
 

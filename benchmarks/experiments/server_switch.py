@@ -6,9 +6,9 @@ are in use (GET /info), it gets --single queries one after another (a RAG query 
 `queries` workload of `ember bench` (200 queries, 8 closed-loop clients). Sides alternate on, off, off, on ...;
 medians over rounds are printed with off / on.
 
-    python benchmarks/experiments/server_switch.py --switch EMBER_NATIVE_LINEAR --dtype float32
-    EMBER_MAX_ISA=avx512 python benchmarks/experiments/server_switch.py --switch EMBER_NATIVE_LINEAR \
-        --dtype float32 --rounds 2
+    PYTHONPATH=benchmarks python benchmarks/experiments/server_switch.py --switch EMBER_NATIVE_LINEAR --dtype float32
+    EMBER_MAX_ISA=avx512 PYTHONPATH=benchmarks python benchmarks/experiments/server_switch.py \
+        --switch EMBER_NATIVE_LINEAR --dtype float32 --rounds 2
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ import time
 from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import (  # noqa: E402
+from harness import (
     QWEN_DIR,
     PeakRss,
     launch,
     stop,
 )
 
-from ember.cli.bench import WORKLOADS, make_texts, run_workload  # noqa: E402
+from ember.cli.bench import WORKLOADS, make_texts, run_workload
+
+ROOT = Path(__file__).resolve().parents[2]
 
 URL = "http://127.0.0.1:8200"
 

@@ -2,7 +2,8 @@
 prompt, ~18 tokens, before ~12-word queries) with the prefix computed once, against the same batch with each query
 computed whole; alternating, new queries each round, median of the paired ratios (the first two rounds are warm-up).
 
-    python benchmarks/experiments/shared_prefix.py [--model models/qwen3-emb-0.6b-random] [--rounds 12] [--batch 8]
+    PYTHONPATH=benchmarks python benchmarks/experiments/shared_prefix.py [--model models/qwen3-emb-0.6b-random] \
+        [--rounds 12] [--batch 8]
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+from harness import cpu_name
+
+from ember.cli.bench import make_texts
+from ember.cli.runtime import maybe_reexec_with_allocator
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import cpu_name  # noqa: E402
-
-from ember.cli.bench import make_texts  # noqa: E402
-from ember.cli.runtime import maybe_reexec_with_allocator  # noqa: E402
 
 INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
 

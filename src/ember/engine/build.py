@@ -39,7 +39,7 @@ from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
 from ember.ops.linear import hold_bf16, pack_linears, strip_f32
 from ember.ops.native import may_build
-from ember.ops.quant import int8_targets, quantize_int8
+from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
 from ember.sizing import OUTPUT_VALUE_BYTES, MemoryPlan, SharedMemory, activation_bytes_per_token, plan_memory
@@ -174,6 +174,11 @@ def load(
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
+        if not int_mm_fast():
+            log.warning(
+                "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
+                "in float32: the weights take one byte, but --dtype float32 is faster here (docs/performance.md)"
+            )
     strips = strip_f32() and may_build("linear_f32", native or NativeConfig())  # float32 layers for its kernel
     if pack_linears(net, p.dtype, strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8

@@ -1,7 +1,10 @@
 """int8 weights with per-token dynamic int8 activations, applied to a built model from outside.
 
 Weights are quantised once per output channel (symmetric), activations per token at run time
-(symmetric, scale = max|x| / 127 of each token). The int8 x int8 product runs in one of:
+(symmetric, scale = max|x| / 127 of each token). Both are rotated first (ember.ops.rotation: the inputs of each
+layer by a fixed block-Hadamard matrix, its weights by the same, once), which spreads the activations' few large
+channels over the rest so that one scale per token keeps the ordinary channels. The int8 x int8 product runs in
+one of:
 - ember's kernel (csrc/int8_gemm.cpp; AMX, or AVX-512 VNNI on CPUs without AMX such as AMD EPYC), on weights
   in its tile layout: it takes the float activations, quantises each token itself (bit for bit as
   _quantize_tokens) and applies both scales on the way out. Once ember.ops.native has built it,
@@ -12,7 +15,9 @@ Weights are quantised once per output channel (symmetric), activations per token
   tensor) are applied after it. On CPUs with AMX int8, layers start here, and stay here where the native
   kernel cannot run;
 - `torch._int_mm` (VNNI where the CPU has it) everywhere else (until the native kernel is built, and on CPUs
-  without AVX-512 VNNI): see `onednn_int8`.
+  without AVX-512 VNNI): see `onednn_int8`;
+- on x86 CPUs without VNNI or AMX (AVX2 only), a float32 product of the same int8 values (exact up to float32
+  rounding of the sums): torch._int_mm runs reference code there, ~50x slower than float32's (`int_mm_fast`).
 
 On the other two, each step is a plain torch op, so inside a compiled region (ops.fused) the activation
 quantisation fuses into the norm before it and the rescale into whatever follows: run eagerly, those two
@@ -31,12 +36,14 @@ from ember.hardware import cpu_flags
 from ember.ops.fused import silu_mul
 from ember.ops.linear import replace_linears
 from ember.ops.native import int8_gemm_kernel
+from ember.ops.rotation import BLOCK, block_size, hadamard, rotate
 
 __all__ = [
     "Int8Linear",
     "int8_gemm",
     "int8_mm",
     "int8_targets",
+    "int_mm_fast",
     "interleave_glu",
     "onednn_int8",
     "pack_tiles",
@@ -134,6 +141,26 @@ def onednn_int8() -> bool:
         return False
 
 
+@functools.cache
+def int_mm_fast() -> bool:
+    """Whether torch._int_mm has a fast path on this CPU: VNNI or AMX on x86 (an AVX2-only Zen 3 ran it at 1.7
+    GOPS against float32's 85 GFLOPS: benchmarks/NOTES.md), assumed elsewhere (aarch64: not measured)."""
+    flags = cpu_flags()
+    if "avx2" not in flags:
+        return True
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+
+
+def _float_int_mm(xq: torch.Tensor, w: torch.Tensor, columns: int = 1024) -> torch.Tensor:
+    """torch._int_mm's product (T, K) int8 @ (K, N) int8 in float32, converting the weights `columns` at a time
+    (a whole 4,096 x 24,576 matrix in float32 would be 400 MB beyond the memory plan)."""
+    xf = xq.float()
+    n = w.shape[1]
+    if n <= columns:
+        return xf @ w.float()
+    return torch.cat([xf @ w[:, j : j + columns].float() for j in range(0, n, columns)], dim=1)
+
+
 def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: (T, K) -> int8 (T, K) and float32 scales (T, 1)."""
     xf = x.float()  # (T, K)
@@ -148,14 +175,20 @@ class Int8Linear(nn.Module):
     """A drop-in for nn.Linear holding int8 weights and float32 per-channel scales (N,).
 
     glu: the layer is a SwiGLU's gate and up projections side by side ([gate; up] rows, no bias);
-    `silu_mul(x)` then gives silu(gate) * up, in one kernel on the native path."""
+    `silu_mul(x)` then gives silu(gate) * up, in one kernel on the native path.
+    rotation: the largest block of inputs rotated together (ember.ops.rotation; 1 or less: not rotated)."""
 
-    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, glu: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, glu: bool = False, rotation: int = BLOCK) -> None:
         super().__init__()
+        b = block_size(linear.in_features, rotation) if rotation > 1 else 1
+        self.rotation: torch.Tensor | None = hadamard(b) if b > 1 else None  # (b, b), applied to inputs and weights
         w = linear.weight.detach().float()  # (N, K)
+        if self.rotation is not None:
+            w = rotate(w, self.rotation)
         scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
         wq = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
         self.onednn = onednn_int8()
+        self.int_mm = int_mm_fast()  # else torch._int_mm's inputs multiplied in float32
         self.qweight: torch.Tensor  # oneDNN's packed layout, (K, N) for torch._int_mm, or pack_tiles'
         self.scale: torch.Tensor
         self.bias: torch.Tensor | None
@@ -171,6 +204,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
+        if self.rotation is not None:
+            x = rotate(x, self.rotation)
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
             y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
             return _deinterleave_glu(y) if self.glu else y
@@ -178,7 +213,8 @@ class Int8Linear(nn.Module):
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
         else:  # rounded where oneDNN rounds (to out_dtype after the weight scales), so both give the same vectors
-            y = (torch._int_mm(xq, w).float() * self.scale).to(self.out_dtype).float()
+            acc = torch._int_mm(xq, w).float() if self.int_mm else _float_int_mm(xq, w)
+            y = (acc * self.scale).to(self.out_dtype).float()
         y = y * xs
         if self.bias is not None:
             y = y + self.bias
@@ -188,6 +224,8 @@ class Int8Linear(nn.Module):
         """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
         w = self.qweight
         if w.dim() == 5 and self.glu:
+            if self.rotation is not None:
+                x = rotate(x, self.rotation)
             return int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
         return silu_mul(self(x))
 

@@ -1,0 +1,62 @@
+"""Randomised Hadamard rotations, which make activations easy to quantise to int8.
+
+A transformer's activations carry a few channels far larger than the rest; with one int8 scale per token, set by
+its largest value, the ordinary channels keep only a few int8 steps, and that rounding is what moves an int8
+model's vectors (benchmarks/NOTES.md, "int8 retrieval quality on real weights"). Multiplying the inputs of a
+linear layer by an orthogonal matrix R, and its weights by the same R, leaves the product unchanged
+((x R)(W R)^T = x W^T) while R spreads each large channel evenly over the channels it mixes: the rotated token's
+largest value sits close to its typical one, and int8 keeps far more of it (QuaRot, Ashkboos et al. 2024).
+
+R here is block-diagonal: the same block of up to `BLOCK` channels (a Hadamard matrix with a fixed pattern of signs on
+its rows, orthonormal) repeated along the inputs, so rotating costs one small matrix product per token, needs no
+calibration data, and is the same for every model. The weights are rotated once, when they are quantised.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["BLOCK", "block_size", "hadamard", "rotate"]
+
+BLOCK = 64
+"""The largest block rotated as one; an input width takes the largest power of two up to this that divides it.
+Rotating costs BLOCK multiply-adds per input (3% of a Qwen3-0.6B forward at 64, 6% at 128), and on real MiniLM
+weights blocks of 32 to 512 kept the same recall (benchmarks/NOTES.md)."""
+
+
+def block_size(k: int, largest: int = BLOCK) -> int:
+    """The rotation block for `k` inputs: the largest power of two <= `largest` dividing k (1: none)."""
+    b = largest
+    while b > 1 and k % b:
+        b //= 2
+    return b
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard(b: int) -> torch.Tensor:
+    """An orthonormal (b, b) float32 Hadamard matrix (b a power of two) with rows' signs flipped at random
+    (a fixed seed: the same matrix in every process)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(0)).double() * 2 - 1
+    return (signs[:, None] * h / b**0.5).float()
+
+
+@torch.library.custom_op("ember::rotate", mutates_args=())
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(T, K) rows times the block-diagonal rotation made of `h` (b, b), b dividing K: (T, K), bfloat16 for
+    bfloat16 rows (one rounding, far below an int8 step), else float32.
+
+    An op of its own so compiled regions call one matrix product for it (inductor, left to itself, wrote the
+    small product with a constant matrix as loops: 1.2x the whole int8 forward)."""
+    t, k = x.shape
+    rows = x if x.dtype == torch.bfloat16 else x.float()
+    return (rows.reshape(-1, h.shape[0]) @ h.to(rows.dtype)).reshape(t, k)
+
+
+@rotate.register_fake
+def _(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=x.dtype if x.dtype == torch.bfloat16 else torch.float32)
