@@ -359,7 +359,13 @@ def test_every_quantised_family_stays_close_to_float32(family, floor, tmp_path):
 def test_int8_product_runs_in_float32_where_torch_has_no_fast_int8_path(monkeypatch):
     """On x86 without VNNI or AMX torch._int_mm is reference code (~50x slower than float32): the same int8 values
     are multiplied in float32 there, a wide matrix a slice of columns at a time, with the same result."""
-    for flags, fast in (({"avx2", "fma"}, False), ({"avx2", "avx512f", "avx512_vnni"}, True), ({"asimd"}, True)):
+    cases = (
+        ({"avx2", "fma"}, False),
+        ({"sse4_2"}, False),
+        ({"avx2", "avx512f", "avx512_vnni"}, True),
+        ({"asimd"}, True),
+    )
+    for flags, fast in cases:
         monkeypatch.setattr(quant, "cpu_flags", lambda flags=flags: frozenset(flags))
         quant.int_mm_fast.cache_clear()
         assert quant.int_mm_fast() is fast

@@ -143,10 +143,10 @@ def onednn_int8() -> bool:
 
 @functools.cache
 def int_mm_fast() -> bool:
-    """Whether torch._int_mm has a fast path on this CPU: VNNI or AMX on x86 (an AVX2-only Zen 3 ran it at 1.7
-    GOPS against float32's 85 GFLOPS: benchmarks/NOTES.md), assumed elsewhere (aarch64: not measured)."""
+    """Whether torch._int_mm has a fast path on this CPU: on x86 only with VNNI or AMX (an AVX2-only Zen 3 ran it at
+    1.7 GOPS against float32's 85 GFLOPS: benchmarks/NOTES.md); assumed on aarch64 (not measured)."""
     flags = cpu_flags()
-    if "avx2" not in flags:
+    if "asimd" in flags:  # aarch64
         return True
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
