@@ -3,6 +3,7 @@ checkpoint builders, and the allocator `ember serve` runs on."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,18 @@ def ensure_qwen3_model(path: Path = QWEN_DIR) -> Path:
 
 def checkpoints() -> ModuleType:
     """tests/checkpoints (its builders write real checkpoints of a given shape): the one place benchmarks reach into
-    tests/."""
-    tests = str(ROOT / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import checkpoints as module
-
+    tests/. Loaded from its file as the package `checkpoints` (so `checkpoints.families` imports after it), without
+    adding tests/ to the import path."""
+    if "checkpoints" in sys.modules:
+        return sys.modules["checkpoints"]
+    package = ROOT / "tests" / "checkpoints"
+    spec = importlib.util.spec_from_file_location(
+        "checkpoints", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["checkpoints"] = module
+    spec.loader.exec_module(module)
     return module
 
 
