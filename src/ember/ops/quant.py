@@ -180,7 +180,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, glu: bool = False, rotation: int = BLOCK) -> None:
         super().__init__()
-        b = block_size(linear.in_features, rotation) if rotation > 1 else 1
+        b = block_size(linear.in_features, rotation)
         self.rotation: torch.Tensor | None = hadamard(b) if b > 1 else None  # (b, b), applied to inputs and weights
         w = linear.weight.detach().float()  # (N, K)
         if self.rotation is not None:
@@ -202,10 +202,13 @@ class Int8Linear(nn.Module):
         self.glu = glu and linear.bias is None
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """The inputs in the rotated basis the weights were quantised in."""
+        return x if self.rotation is None else rotate(x, self.rotation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight  # read once: use_native_int8 may swap it from another thread
-        if self.rotation is not None:
-            x = rotate(x, self.rotation)
+        x = self._rotated(x)
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
             y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
             return _deinterleave_glu(y) if self.glu else y
@@ -224,9 +227,7 @@ class Int8Linear(nn.Module):
         """silu(gate) * up of this SwiGLU layer's output: (T, K) -> (T, out_features / 2)."""
         w = self.qweight
         if w.dim() == 5 and self.glu:
-            if self.rotation is not None:
-                x = rotate(x, self.rotation)
-            return int8_gemm(x, w, self.tile_scale, None, None, self.out_dtype, True)
+            return int8_gemm(self._rotated(x), w, self.tile_scale, None, None, self.out_dtype, True)
         return silu_mul(self(x))
 
 
