@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument("--query-rate", type=float, default=10.0, help="single queries a second (default 10)")
     args = ap.parse_args()
     build_reranker()
-    models_file = ROOT / "benchmarks/results/stack-models.yaml"
+    models_file = Path(tempfile.mkdtemp()) / "stack-models.yaml"
     models_file.write_text(f"- model: {RERANKER}\n  served_model_name: rerank\n")
     t, q = args.seconds, args.query_rate
     legs = {

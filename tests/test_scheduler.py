@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ember.config import EngineConfig
-from ember.engine.engine import answer_vectors
+from ember.engine.results import answer_vectors
 from ember.engine.scheduler import CONCURRENCY_MEMORY_SECONDS, SETTLE_SECONDS, Scheduler
 from ember.errors import OverloadedError
 

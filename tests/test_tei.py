@@ -288,3 +288,11 @@ def test_llamaindex_text_embeddings_inference(embed_server, offline):
     got = emb.get_text_embedding_batch(DOCUMENTS[:2])
     np.testing.assert_allclose(got, offline.embed(DOCUMENTS[:2]).vectors, atol=1e-5)
     assert json.loads(json.dumps(got))  # plain lists
+
+
+def test_tei_paths_are_the_tei_routers_paths():
+    from ember.api.errors import TEI_PATHS
+    from ember.api.sparse import sparse
+    from ember.api.tei import tei
+
+    assert {r.path for r in (*tei.routes, *sparse.routes)} == TEI_PATHS  # type: ignore[attr-defined]

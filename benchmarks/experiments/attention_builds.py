@@ -22,10 +22,9 @@ from pathlib import Path
 
 from ember.cli.runtime import maybe_reexec_with_allocator, prepare_process
 
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
 prepare_process(None, None)  # threads as the server sizes them; EMBER_MAX_ISA as the server applies it
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after prepare_process: torch reads the thread settings at import)
 
 from ember.hardware import find_compiler  # noqa: E402
 from ember.ops import cxx, native  # noqa: E402
@@ -57,6 +56,7 @@ def _at_rev(rev: str, into: Path) -> Path:
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", required=True, help="the git revision to compare the working tree's kernel with")
     ap.add_argument("--cases", default="16/8/128:8x21,4x512,2048,8000;12/12/32:8x20,32x200")

@@ -27,10 +27,9 @@ import time
 
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
 
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
 prepare_process(None, None)  # threads as the server sizes them; EMBER_MAX_ISA as the server applies it
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after prepare_process: torch reads the thread settings at import)
 
 from ember.ops import attention, native  # noqa: E402
 from ember.ops.window import local_attention  # noqa: E402
@@ -46,6 +45,7 @@ def _batch(spec: str) -> list[int]:
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT, help="HQ/HKV/D:BATCH,BATCH;... (BATCH: 8x21 or 8000)")
     ap.add_argument("--rounds", type=int, default=9)

@@ -17,16 +17,14 @@ import statistics
 import sys
 import time
 
+import torch
+
 from ember.cli.runtime import maybe_reexec_with_allocator
-
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
-
-import torch  # noqa: E402
-
-from ember.ops import attention  # noqa: E402
+from ember.ops import attention
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="151,201,300,301,333,451,499,515,613,1001,1201")
     ap.add_argument("--rounds", type=int, default=8)

@@ -19,15 +19,12 @@ import statistics
 import sys
 import time
 
+import torch
+
 from ember.cli.runtime import maybe_reexec_with_allocator
-
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
-
-import torch  # noqa: E402
-
-from ember.config import NativeConfig  # noqa: E402
-from ember.ops.native import build_kernels  # noqa: E402
-from ember.ops.quant import int8_gemm, int8_mm, onednn_int8, pack_tiles  # noqa: E402
+from ember.config import NativeConfig
+from ember.ops.native import build_kernels
+from ember.ops.quant import int8_gemm, int8_mm, onednn_int8, pack_tiles
 
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (inputs, outputs) per layer
 
@@ -47,6 +44,7 @@ def forward(
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="20,168,512,2048")
     ap.add_argument("--layers", type=int, default=28)

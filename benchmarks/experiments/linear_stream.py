@@ -23,18 +23,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from ember.cli.runtime import maybe_reexec_with_allocator
+import torch
+import torch.nn.functional as F
 
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from ember.cli.runtime import cap_isa, max_isa, native_config  # noqa: E402
-from ember.engine.cpu import set_threads  # noqa: E402
-from ember.ops.linear import Bf16Linear  # noqa: E402
-from ember.ops.native import build_kernels, linear_kernel  # noqa: E402
-from ember.resources import cpu_budget  # noqa: E402
+from ember.cli.runtime import cap_isa, max_isa, maybe_reexec_with_allocator, native_config
+from ember.engine.cpu import set_threads
+from ember.ops.linear import Bf16Linear
+from ember.ops.native import build_kernels, linear_kernel
+from ember.resources import cpu_budget
 
 SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))  # (K, N) of the 0.6B shape's products
 
@@ -61,6 +57,7 @@ def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], t
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,176,2048", help="row counts (tokens in a batch), comma-separated")
     ap.add_argument("--layers", type=int, default=28)

@@ -20,17 +20,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from ember import Embedder
+from ember.cli.bench import make_texts
 from ember.cli.runtime import maybe_reexec_with_allocator
-
-maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
-
-import torch  # noqa: E402
-
-from ember import Embedder  # noqa: E402
-from ember.cli.bench import make_texts  # noqa: E402
-from ember.engine.cpu import set_threads  # noqa: E402
-from ember.models.checkpoint import DEFAULT_MODEL, resolve_model  # noqa: E402
-from ember.resources import cpu_budget  # noqa: E402
+from ember.engine.cpu import set_threads
+from ember.models.checkpoint import DEFAULT_MODEL, resolve_model
+from ember.resources import cpu_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +57,7 @@ def st_config(model: str, dtype: torch.dtype, batch: int) -> Encode:
 
 
 def main() -> None:
+    maybe_reexec_with_allocator(sys.argv[1:], program=[sys.executable, sys.argv[0]])  # time on the server's allocator
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--texts", type=int, default=64, help="texts per round")

@@ -4,7 +4,6 @@ checkpoint builders, and the allocator `ember serve` runs on."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,9 +16,11 @@ QWEN_DIR = ROOT / "models" / "qwen3-emb-0.6b-random"
 
 
 def ensure_qwen3_model(path: Path = QWEN_DIR) -> Path:
-    """The Qwen3-Embedding-0.6B-shaped model with random weights, built by make_qwen3_model.py if missing."""
+    """The Qwen3-Embedding-0.6B-shaped model with random weights, built by harness.qwen3_model if missing."""
     if not (path / "model.safetensors").exists():
-        subprocess.run([sys.executable, str(ROOT / "benchmarks/make_qwen3_model.py"), "--out", str(path)], check=True)
+        from harness.qwen3_model import main
+
+        main(["--out", str(path)])
     return path
 
 

@@ -15,9 +15,14 @@ from ember.types import PoolingType
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
+    "DEFAULT_QUEUED_TOKENS",
     "ONEDNN_KERNEL_CACHE",
+    "RAY_BATCH_SIZE",
+    "REMOTE_BATCH_SIZE",
+    "SERVED_CACHE_SIZE",
     "DType",
     "EngineConfig",
+    "HttpConfig",
     "ModelConfig",
     "NativeConfig",
     "PoolerConfig",
@@ -27,17 +32,25 @@ __all__ = [
 ]
 
 ONEDNN_KERNEL_CACHE = 384
-"""oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY, set where the process starts, before torch's first
-matmul, unless the operator set it): one per GEMM shape and row count, 5-13 ms to build at 1,000-1,500 rows. Batches
+"""oneDNN primitives kept (ONEDNN_PRIMITIVE_CACHE_CAPACITY, set where the process starts, before torch's first matmul,
+unless the operator set it): one per GEMM shape and row count, each milliseconds to build (benchmarks/NOTES.md). Batches
 run at rounded token counts (runner.padded_tokens), so a model meets at most ~80 row counts per GEMM up to the
 2,048-token slice: 384 holds them for 4 GEMM shapes with room to spare. Unbounded (oneDNN's default 1,024) with
-unrounded batches, a server grew by ~600 MB; bounded to 32, most batches rebuilt their kernels
-(benchmarks/NOTES.md)."""
+unrounded batches, a server grew by ~600 MB; bounded to 32, most batches rebuilt their kernels (benchmarks/NOTES.md)."""
 
 DEFAULT_BATCH_TOKENS = 2048
 """Token budget of one packed batch unless the operator sets one (--max-num-batched-tokens): the token slice
 the models run their per-token work in, so a full batch keeps its GEMMs in cache; the memory plan lowers it
 where memory is short."""
+
+DEFAULT_QUEUED_TOKENS = 1_000_000
+"""Tokens queued (waiting or running) before new requests get 429, unless the memory plan lowers it."""
+
+REMOTE_BATCH_SIZE = 32
+"""Texts per request when `ember embed --url` embeds on running servers (--batch-size)."""
+
+RAY_BATCH_SIZE = 256
+"""Texts per Ray Data batch for `ember embed --ray` (--batch-size)."""
 
 DType = Literal["auto", "float32", "bfloat16"]
 _POOLING_NAMES = {"CLS", "MEAN", "LAST"}
@@ -160,7 +173,7 @@ class ModelConfig:
     chunk_overlap, task."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     """Token budget of one batch; the memory plan may lower it."""
-    max_queued_tokens: int = 1_000_000
+    max_queued_tokens: int = DEFAULT_QUEUED_TOKENS
     """Tokens queued before 429; the memory plan may lower it."""
     memory_limit: int | None = None
     """Bytes to plan for, e.g. 4Gi, instead of the detected cgroup limit or available memory."""
@@ -170,6 +183,10 @@ class ModelConfig:
             raise ConfigError(f"--quantization {self.quantization!r} is not supported; ember offers int8")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+SERVED_CACHE_SIZE = "64M"
+"""The embedding cache `ember serve` keeps by default (--embedding-cache-size)."""
 
 
 @dataclass(frozen=True)
@@ -182,13 +199,13 @@ class EngineConfig:
     """Most sequences in one batch (--max-num-seqs)."""
     max_queued_requests: int = 1024
     """Requests waiting or running before new ones get 429 (--max-queued-requests)."""
-    max_queued_tokens: int = 1_000_000
+    max_queued_tokens: int = DEFAULT_QUEUED_TOKENS
     """Tokens waiting or running before new requests get 429 (--max-queued-tokens)."""
     seconds_per_token: float = 0.002
     """Scheduling cost estimate: a request's deadline is arrival + tokens x this, earliest first."""
     max_queued_vectors: int | None = None
     """Most answer vectors held by admitted requests (an input each; a token each for token_embed; see
-    ember.engine.engine.answer_vectors), as the memory plan allows; past it, 429 (413 for one request larger than
+    ember.engine.results.answer_vectors), as the memory plan allows; past it, 429 (413 for one request larger than
     all of it). None: unbounded (offline use)."""
     max_queue_seconds: float = 10.0
     """Admission by time (--max-queue-seconds): a request whose estimated wait before it starts (the running batch
@@ -202,8 +219,8 @@ class EngineConfig:
     requests to join it (--batch-wait-ms): a forward on CPU has a large fixed cost (streaming the weights),
     so two queries run together cost little more than one, and closed-loop clients stop alternating.
     The engine ends the wait early once the requests it expects have arrived (see AsyncEngine._gather), so
-    the bound matters only for a straggler: 25 ms rather than 10 let late queries join their batch instead of
-    waiting a whole forward for the next (a lower p99 with 8 clients; benchmarks/NOTES.md)."""
+    the bound matters only for a straggler: long enough that late queries join their batch instead of waiting a
+    whole forward for the next (benchmarks/NOTES.md)."""
     auto_truncate: bool = False
     """Truncate inputs longer than max-model-len instead of refusing them (--truncate), when not chunking."""
     compile_kernels: bool = False
@@ -213,16 +230,17 @@ class EngineConfig:
     eager_reason: str = "--enforce-eager"
     """Why the fused regions are off when compile_kernels is False (shown by /info and the start-up log)."""
     shared_batch_seconds: float = 0.05
-    """With several models on the one model thread (`--models`, --shared-batch-ms), each batch is cut to about this
-    much of its model's measured time (at least 128 tokens), so a request to another model waits about this long for
-    the batch running when it arrives rather than a whole token budget's worth (a 2,048-token rerank batch of a
-    MiniLM-sized cross-encoder is ~0.6 s on 2 cores). Shorter cuts favour the other models' latency, longer ones
-    the busy model's throughput (benchmarks/stack.py). Batches are cut only while another model is active (asked
-    for the thread in the last 5 s); a single model's never are."""
+    """With several models on the one model thread (`--models`, --shared-batch-ms), each batch is cut to about this much
+    of its model's measured time (at least 128 tokens), so a request to another model waits about this long for the
+    batch running when it arrives rather than a whole token budget's worth (a full rerank batch of a MiniLM-sized
+    cross-encoder takes most of a second on 2 cores). Shorter cuts favour the other models' latency, longer ones the
+    busy model's throughput (benchmarks/stack.py). Batches are cut only while another model is active (asked for the
+    thread in the last 5 s); a single model's never are."""
     cache_bytes: int = 0
-    """The embedding cache (--embedding-cache-size): the pooled output of every window computed, kept by its exact
-    token ids up to this many bytes (least recently used out first), so a repeated input is answered without the
-    model; taken from the memory plan's answer budget (at most a quarter of it). 0: off."""
+    """0 (off) for in-process use; `ember serve` keeps SERVED_CACHE_SIZE unless told otherwise. The embedding cache
+    (--embedding-cache-size): the pooled output of every window computed, kept by its exact token ids up to this many
+    bytes (least recently used out first), so a repeated input is answered without the model; taken from the memory
+    plan's answer budget (at most a quarter of it). 0: off."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -230,6 +248,21 @@ class EngineConfig:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if number and value <= 0 and f.name not in ("batch_wait_seconds", "cache_bytes"):
                 raise ConfigError(f"--{f.name.replace('_', '-')} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP connections' limits (uvicorn and ember.api.transport)."""
+
+    max_connections: int = 2048
+    """Open connections before new ones are closed at once (fewer if the process may not open that many files)."""
+    read_timeout: float = 30.0
+    """Seconds a request may take to arrive whole (headers and body), from its first byte, before its connection is
+    closed."""
+    write_timeout: float = 60.0
+    """Seconds a client may take none of its answer before its connection is closed (its answer freed)."""
+    keep_alive: float = 5.0
+    """Seconds an idle keep-alive connection is kept (uvicorn)."""
 
 
 @dataclass(frozen=True)

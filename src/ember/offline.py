@@ -28,6 +28,7 @@ from ember.engine.cpu import set_threads
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.lexical import lexical, sparse_output
 from ember.engine.pairs import PairPreprocessor, ScoreParams, cosine_scores, distinct_texts
+from ember.engine.results import ranked
 from ember.engine.scheduler import Request, Scheduler, batch_inputs
 from ember.errors import InputError
 from ember.ops.fused import can_compile
@@ -59,7 +60,7 @@ class _Offline:
         self,
         model: str | None = None,
         *,
-        dtype: str = "auto",
+        dtype: str = ModelConfig.dtype,
         max_model_len: int | None = None,
         pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
         revision: str | None = None,
@@ -246,5 +247,4 @@ class Reranker(_Offline):
     ) -> list[tuple[int, float]]:
         """(index into documents, score), best first; the top_n of them when given."""
         scores = self.score([(query, d) for d in documents], **options)
-        ranked = sorted(enumerate(scores), key=lambda r: -r[1])
-        return ranked[:top_n] if top_n else ranked
+        return [(i, scores[i]) for i in ranked(scores, top_n)]

@@ -37,6 +37,7 @@ import ray
 from ember.batch.backend import local, usable_texts
 from ember.batch.files import file_format, input_files
 from ember.batch.job import EmbedJob, JobSummary
+from ember.config import RAY_BATCH_SIZE
 from ember.errors import ConfigError
 from ember.hardware import check_tier, isa_tier, limit_isa
 from ember.offline import Embedder
@@ -144,7 +145,7 @@ def run_on_ray(
     env: dict[str, str] | None = None,
     actors: int | None = None,
     cpus_per_actor: int | None = None,
-    batch_size: int = 256,
+    batch_size: int = RAY_BATCH_SIZE,
 ) -> JobSummary:
     """`ember embed --ray`: read the inputs with Ray Data, embed them on a pool of `EmberEmbedder` actors
     (`embedder`: their constructor's keywords) and write Parquet into `job.output`. The cluster: the one this

@@ -70,7 +70,8 @@ class HeadSpec:
 
     task: Task = "embed"
     outputs: tuple[Output, ...] = ("embed", "token_embed")
-    """The pooling tasks it answers (vLLM's names); none for a score model, which answers /score and /rerank."""
+    """The pooling tasks it answers (vLLM's names); a score model declares ("classify",) and answers /score and
+    /rerank."""
     vocabulary: bool = False
     """The pooled vector is a weight per vocabulary entry (SPLADE): served dense on /v1/embeddings, as
     {index, value} pairs on /embed_sparse."""

@@ -14,11 +14,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import Scope
 
 from ember.api.responses import JSONBytes
 from ember.errors import EmberError, OverloadedError
 
-__all__ = ["TEI_PATHS", "error_response", "install_error_handlers"]
+__all__ = ["TEI_PATHS", "error_response", "install_error_handlers", "route_path"]
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,22 @@ _TYPES = {
 }
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: behind --root-path, uvicorn's scope["path"] carries the prefix (as the router sees
+    it, stripped here too), so the key check and the metrics see /v1/embeddings, never /prefix/v1/embeddings."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root) :] or "/") if root and path.startswith(root) else path
+
+
 TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/embed_sparse", "/predict", "/similarity", "/decode"})
-"""The routes only TEI has: their errors take TEI's shape and statuses."""
+"""The routes only TEI has (the `tei` and `sparse` routers' paths, which a test checks): their errors take TEI's
+shape and statuses."""
 _TEI_TYPES = {400: "Empty", 413: "Validation", 422: "Validation", 424: "Backend", 429: "Overloaded", 503: "Unhealthy"}
 
 
 def _tei(request: Request) -> bool:
     """Whether the request went to a TEI route, or asked /rerank or /tokenize in TEI's form."""
-    return request.url.path in TEI_PATHS or bool(getattr(request.state, "tei", False))
+    return route_path(request.scope) in TEI_PATHS or bool(getattr(request.state, "tei", False))
 
 
 def error_response(

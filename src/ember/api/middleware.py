@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.errors import error_response
+from ember.api.errors import error_response, route_path
 from ember.api.metrics import Metrics
 from ember.resources import release_free_memory
 
@@ -70,13 +70,6 @@ def timing_headers(state: dict[str, Any], start: float, now: float) -> list[tupl
     values = (now - start, tokenize, queue, inference, tokenize + queue + inference)
     out = [(name.encode(), str(round(v * 1000)).encode()) for name, v in zip(TIMING_HEADERS, values, strict=False)]
     return [*out, (b"x-compute-tokens", str(state.get("tokens", 0)).encode())]
-
-
-def route_path(scope: Scope) -> str:
-    """The path the routes match: behind --root-path, uvicorn's scope["path"] carries the prefix (as the router sees
-    it, stripped here too), so the key check and the metrics see /v1/embeddings, never /prefix/v1/embeddings."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return (path[len(root) :] or "/") if root and path.startswith(root) else path
 
 
 def printable(text: str) -> str:

@@ -15,6 +15,7 @@ from ember.api.routes import check_count, engine_call
 from ember.api.schemas import RerankDocument, RerankRequest, ScoreRequest
 from ember.api.tei import tei_rerank
 from ember.engine.engine import ScoreParams
+from ember.engine.results import ranked
 from ember.errors import InputError
 
 __all__ = ["scoring"]
@@ -44,7 +45,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     _, result, tokens = await engine_call(
         request, body.model, lambda engine, timeout: engine.score(pairs, params, timeout=timeout)
     )
-    order = sorted(range(len(texts)), key=lambda i: -result.scores[i])[: body.top_n or None]
+    order = ranked(result.scores, body.top_n)
     results = [
         {"index": i, "relevance_score": result.scores[i]}
         | ({} if body.return_documents is False else {"document": {"text": texts[i]}})

@@ -33,6 +33,7 @@ from ember.api.schemas import RerankRequest
 from ember.api.sparse import EmbedSparseRequest, embed_sparse
 from ember.engine.engine import EmbedParams
 from ember.engine.pairs import ScoreParams
+from ember.engine.results import ranked
 from ember.errors import InputError
 from ember.types import HeadSpec
 
@@ -224,7 +225,7 @@ async def tei_rerank(body: RerankRequest, request: Request) -> Response:
     params = ScoreParams(truncate_prompt_tokens=cut, use_activation=not body.raw_scores)
     pairs = [(body.query, t) for t in texts]
     _, result, _ = await engine_call(request, body.model, lambda e, t: e.score(pairs, params, timeout=t))
-    order = sorted(range(len(texts)), key=lambda i: -result.scores[i])
+    order = ranked(result.scores)
     return JSONBytes(
         [{"index": i, "score": result.scores[i]} | ({"text": texts[i]} if body.return_text else {}) for i in order]
     )

@@ -80,7 +80,7 @@ def _abort_stalled_reader(transport: asyncio.BaseTransport, seconds: float) -> N
         transport.abort()  # type: ignore[attr-defined]
 
 
-def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: float = 60.0) -> type[asyncio.Protocol]:
+def guarded_protocol(max_connections: int, read_timeout: float, write_timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the connection cap and the read and write timeouts above."""
     refusals, base = _Refusals(), AutoHTTPProtocol
 

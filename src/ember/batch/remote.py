@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 
 from ember.batch.backend import Embedded, refusal, stack_rows
+from ember.config import REMOTE_BATCH_SIZE
 from ember.errors import ConfigError, EmberError
 
 __all__ = ["RemoteEmbedder"]
@@ -60,7 +61,7 @@ class RemoteEmbedder:
         model: str | None = None,
         *,
         api_key: str | None = None,
-        batch_size: int = 32,
+        batch_size: int = REMOTE_BATCH_SIZE,
         concurrency: int = 4,
         dimensions: int | None = None,
         normalize: bool | None = None,

@@ -40,7 +40,7 @@ def _machine() -> dict[str, Any]:
 
     flags = cpu_flags()
     cpu, mem = cpu_budget(), memory_budget()
-    # without bf16 matrix instructions torch's bf16 product is an emulation some 100x slower: a 2048 product would
+    # without bf16 matrix instructions torch's bf16 product is an emulation, far slower: a 2048 product would
     # keep doctor busy for minutes, and a small one shows the same rate
     bf16_size = 2048 if has_fast_bf16(flags) else 256
     gflops = {

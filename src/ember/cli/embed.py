@@ -15,6 +15,7 @@ from typing import Any
 
 from ember.cli.model_flags import add_model_flags, model_config, truncate
 from ember.cli.runtime import isa_env, max_isa, maybe_reexec_with_allocator, native_config, prepare_process
+from ember.config import RAY_BATCH_SIZE, REMOTE_BATCH_SIZE
 from ember.errors import EmberError
 
 __all__ = ["add_parser", "ray_settings", "run"]
@@ -45,7 +46,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cache", default=None, metavar="DIR", help="keep vectors by text: unchanged texts are not re-run")
     p.add_argument("--url", action="append", default=[], help="embed on this running server (repeat to spread)")
     p.add_argument("--api-key", default=None, help="bearer token for --url (default: $EMBER_API_KEY, $OPENAI_API_KEY)")
-    p.add_argument("--batch-size", type=int, default=None, help="texts per --url request (32) or --ray batch (256)")
+    batch = f"texts per --url request ({REMOTE_BATCH_SIZE}) or --ray batch ({RAY_BATCH_SIZE})"
+    p.add_argument("--batch-size", type=int, default=None, help=batch)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per --url")
     p.add_argument(
         "--ray",
@@ -113,7 +115,12 @@ def _backend(args: argparse.Namespace, threads: int) -> tuple[Any, str, Any, int
 
         key = args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY")
         remote = RemoteEmbedder(
-            args.url, args.model, api_key=key, batch_size=args.batch_size or 32, concurrency=args.concurrency, **params
+            args.url,
+            args.model,
+            api_key=key,
+            batch_size=args.batch_size or REMOTE_BATCH_SIZE,
+            concurrency=args.concurrency,
+            **params,
         )
         return remote, remote.model, remote.close, None
     from ember.offline import Embedder
@@ -228,7 +235,7 @@ def _on_ray(args: argparse.Namespace) -> int:
             env=env,
             actors=args.actors,
             cpus_per_actor=args.cpus_per_actor,
-            batch_size=args.batch_size or 256,
+            batch_size=args.batch_size or RAY_BATCH_SIZE,
         )
     except EmberError:
         raise

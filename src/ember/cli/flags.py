@@ -13,7 +13,7 @@ import os
 from ember.cli.fields import add_field_flag, field_default
 from ember.cli.frontend import add_frontend_flags
 from ember.cli.model_flags import add_model_flags, add_models_flag
-from ember.config import EngineConfig, ServerConfig
+from ember.config import SERVED_CACHE_SIZE, EngineConfig, HttpConfig, ServerConfig
 from ember.errors import ConfigError
 
 __all__ = [
@@ -107,7 +107,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def max_inputs_per_request(flag: int | None) -> int:
-    """--max-inputs-per-request, else EMBER_MAX_INPUTS_PER_REQUEST, else 2048."""
+    """--max-inputs-per-request, else EMBER_MAX_INPUTS_PER_REQUEST, else ServerConfig's default."""
     default = field_default(ServerConfig, "max_inputs_per_request")
     return flag if flag is not None else _env_int("EMBER_MAX_INPUTS_PER_REQUEST", default)
 
@@ -139,7 +139,8 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     add_field_flag(
         p, "--batch-wait-ms", EngineConfig, "batch_wait_seconds", type=float, default=wait_ms, shown=f"{wait_ms:g} ms"
     )
-    add_field_flag(p, "--embedding-cache-size", EngineConfig, "cache_bytes", default="64M", shown="64M")
+    cache = SERVED_CACHE_SIZE
+    add_field_flag(p, "--embedding-cache-size", EngineConfig, "cache_bytes", default=cache, shown=cache)
     shared_ms = 1000 * field_default(EngineConfig, "shared_batch_seconds")
     shown = f"{shared_ms:g} ms"
     add_field_flag(
@@ -152,32 +153,20 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         ServerConfig,
         "max_inputs_per_request",
         type=int,
-        shown="EMBER_MAX_INPUTS_PER_REQUEST, else 2048",
+        shown=f"EMBER_MAX_INPUTS_PER_REQUEST, else {field_default(ServerConfig, 'max_inputs_per_request')}",
     )
     grace = field_default(ServerConfig, "shutdown_grace_seconds")
     add_field_flag(p, "--shutdown-grace", ServerConfig, "shutdown_grace_seconds", type=float, default=grace)
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        help="open connections before new ones are closed at once (default: 2048, or fewer if file descriptors are)",
-    )
-    p.add_argument(
-        "--http-read-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a request may take to arrive whole (headers and body), from its first byte, before its "
-        "connection is closed",
-    )
-    p.add_argument(
-        "--http-write-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a client may take none of its answer before its connection is closed (its answer freed)",
-    )
-    p.add_argument(
-        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection is kept (uvicorn)"
-    )
+    http = {
+        "--max-connections": "max_connections",
+        "--http-read-timeout": "read_timeout",
+        "--http-write-timeout": "write_timeout",
+        "--timeout-keep-alive": "keep_alive",
+    }
+    for flag, name in http.items():
+        value = field_default(HttpConfig, name)
+        given = None if flag == "--max-connections" else value  # None: sized to the open-file limit
+        add_field_flag(p, flag, HttpConfig, name, type=type(value), default=given)
 
 
 def warn_ignored(args: argparse.Namespace) -> None:

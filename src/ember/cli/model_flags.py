@@ -116,7 +116,7 @@ def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig the model flags ask for (None or absent: the field's default). Values may be the flags' text
     or already typed (a YAML entry's numbers, mappings and lists)."""
     v = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
-    dtype = str(v.get("dtype") or "auto")
+    dtype = str(v.get("dtype") or ModelConfig.dtype)
     quantization: Literal["int8"] | None = None
     if v.get("quantization") or dtype == "int8":
         if (v.get("quantization") or "int8") != "int8":
@@ -138,7 +138,7 @@ def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
         served_name=names[0] if names else None,
         revision=v.get("revision"),
         download_dir=v.get("download_dir"),
-        dtype=check_dtype("auto" if dtype == "int8" else dtype),
+        dtype=check_dtype(ModelConfig.dtype if dtype == "int8" else dtype),
         quantization=quantization,
         max_model_len=sizes.get("max_model_len"),
         hf_overrides=_mapping(v.get("hf_overrides"), "--hf-overrides"),

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ember.config import ONEDNN_KERNEL_CACHE, NativeConfig
+from ember.config import ONEDNN_KERNEL_CACHE, HttpConfig, NativeConfig
 from ember.errors import ConfigError
 from ember.hardware import check_tier, limit_isa, mkl_isa, onednn_isa
 from ember.resources import cpu_budget
@@ -66,7 +66,7 @@ def _find_allocator() -> str | None:
 
 def maybe_reexec_with_allocator(argv: list[str], program: list[str] | None = None) -> None:
     """Restart under tcmalloc when it is installed: glibc malloc returns large tensors to the OS
-    after every op and pays page faults on the next, which costs 10-40% on CPU inference.
+    after every op and pays page faults on the next, a large cost on CPU inference.
     The new process runs `program` (default: ember's CLI) with `argv`; benchmark scripts pass
     themselves, so what they time in-process runs on the allocator the server uses."""
     if os.environ.get(_REEXEC_MARK) or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
@@ -82,8 +82,8 @@ def maybe_reexec_with_allocator(argv: list[str], program: list[str] | None = Non
 
 
 def connection_limit(asked: int | None) -> int:
-    """--max-connections, else 2048; raises the open-file soft limit to its hard limit first, and never lets the
-    connections take more descriptors than that leaves (128 kept for the model, logs and the tokenizer)."""
+    """--max-connections, else HttpConfig's default; raises the open-file soft limit to its hard limit first, and never
+    lets the connections take more descriptors than that leaves (128 kept for the model, logs and the tokenizer)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -97,7 +97,7 @@ def connection_limit(asked: int | None) -> int:
         raise ConfigError(f"--max-connections must be positive, got {asked}")
     if asked is not None and asked > room:
         log.warning("--max-connections %d lowered to %d: the process may open %d files", asked, room, soft)
-    return min(asked if asked is not None else 2048, room)
+    return min(asked if asked is not None else HttpConfig.max_connections, room)
 
 
 def prepare_process(threads: int | None, cpu_bind: str | None) -> ThreadPlan:

@@ -93,7 +93,7 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None, shared: Shared
     path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
     st = read_st_modules(path)
-    arch, cls = model_class(hf_config, sparse=st.splade_strategy is not None)
+    arch, cls = model_class(hf_config, st)
     hf_config = cls.standard_config(hf_config)
     pooling = cls.head_pooling(st, config.pooler)
     dtype = torch_dtype(config.dtype)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ember.config import EngineConfig, PoolerConfig
+from ember.config import EngineConfig, PoolerConfig, ServerConfig
 from ember.engine.cache import EmbeddingCache
 from ember.engine.inputs import EmbedParams, Preprocessor
 from ember.engine.kernels import prepare_kernels
@@ -151,7 +151,7 @@ class AsyncEngine:
             log.warning("shutdown grace over: %d unfinished request(s) answered 503", len(left))
         self._settle(left)
 
-    async def stop(self, grace_seconds: float = 30.0) -> None:
+    async def stop(self, grace_seconds: float = ServerConfig.shutdown_grace_seconds) -> None:
         """Refuse new work, let queued and running requests finish (up to the grace period, counted from the
         drain's start if one began), answer the rest 503, stop. A batch still on the model thread is not waited
         for: nobody is left to receive it."""

@@ -9,7 +9,7 @@ from typing import Any
 from ember.engine.scheduler import BatchSpan
 from ember.types import POOLED, Output
 
-__all__ = ["EmbedResult", "ScoreResult", "answer_vectors"]
+__all__ = ["EmbedResult", "ScoreResult", "answer_vectors", "ranked"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,9 @@ class ScoreResult:
     batches: tuple[BatchSpan, ...] = ()
     logits: tuple[Any, ...] = ()
     """A score model's (num_labels,) logits per pair, before its activation (none for an embedding model's cosine)."""
+
+
+def ranked(scores: list[float], top_n: int | None = None) -> list[int]:
+    """Indices of `scores`, best first (ties keep input order); the first top_n when given."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return order[:top_n] if top_n else order

@@ -101,9 +101,9 @@ def padded_tokens(n: int) -> int:
     """The token count a batch of n tokens runs at: n itself below 16, then rounded up to a step of n / 8 to n / 16
     (2 from 16 tokens, 4 from 32, 8 from 64 ... 64 from 512), so no batch runs more than 1/8 of padding.
 
-    oneDNN builds a matmul kernel for every row count it meets (5-13 ms each, measured at 1,000-1,500 rows, 1-4
-    GEMMs' worth), so batches of ever-new sizes paid for new kernels in most forwards, far slower than a repeated
-    batch. Rounded, ~80 sizes cover every batch up to the token slice (config.ONEDNN_KERNEL_CACHE keeps them all).
+    oneDNN builds a matmul kernel for every row count it meets (config.ONEDNN_KERNEL_CACHE), so batches of ever-new
+    sizes paid for new kernels in most forwards, far slower than a repeated batch. Rounded, ~80 sizes cover every batch
+    up to the token slice (config.ONEDNN_KERNEL_CACHE keeps them all).
     A short query runs at its own length: rounded to a multiple of 16, an 18-token query would run 32 rows, most of
     them padding, at nearly twice the GEMM work."""
     if n < 16:

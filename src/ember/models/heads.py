@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.errors import InputError
 from ember.models.dense import Dense
 from ember.ops.pooling import pool
 from ember.types import HeadSpec, Output, PoolingSpec, PoolingType
@@ -57,7 +58,7 @@ class Head:
     def tokens(self, states: torch.Tensor, output: Output) -> torch.Tensor:
         """One input's per-token answer from its states (n, hidden): (n, dimension) vectors for token_embed,
         (n,) weights for token_classify."""
-        raise NotImplementedError(f"{type(self).__name__} gives no {output} (its outputs: {self.spec.outputs})")
+        raise InputError(f"this model gives no {output} (its outputs: {', '.join(self.spec.outputs)})", "task")
 
 
 class PooledHead(Head):

@@ -17,6 +17,7 @@ from ember.models.llama import LlamaModel
 from ember.models.modernbert import ModernBertModel
 from ember.models.nomic_bert import NomicBertModel
 from ember.models.splade import SpladeModel
+from ember.models.st_modules import STModules
 
 __all__ = ["ARCHITECTURES", "model_class"]
 
@@ -54,9 +55,10 @@ _BY_MODEL_TYPE = {
 }
 
 
-def model_class(config: dict[str, Any], sparse: bool = False) -> tuple[str, type[Architecture]]:
-    """The architecture name and ember's class for a config.json; `sparse` when sentence-transformers' files say
-    SpladePooling (the checkpoint itself is a plain BertForMaskedLM)."""
+def model_class(config: dict[str, Any], st: STModules | None = None) -> tuple[str, type[Architecture]]:
+    """The architecture name and ember's class for a config.json and the sentence-transformers files beside it:
+    SPLADE when those say SpladePooling (the checkpoint itself is a plain BertForMaskedLM)."""
+    sparse = st is not None and st.splade_strategy is not None
     names = list(config.get("architectures") or [])
     if not names and config.get("model_type") in _BY_MODEL_TYPE:
         names = [_BY_MODEL_TYPE[config["model_type"]]]

@@ -35,8 +35,8 @@ __all__ = ["group_by_length", "native_attention", "packed_attention", "seq_offse
 
 # A group may waste at most this fraction of its padded area on padding.
 _MAX_PADDING = 0.25
-# Causal sequences this long get an SDPA call of their own (measured 20% faster than padded with a
-# mask at 4 x 512); shorter ones are batched, where one call per sequence would cost more than it saves.
+# Causal sequences this long get an SDPA call of their own (faster than padded with a mask at a
+# few x 512: benchmarks/NOTES.md); shorter ones are batched, where one call per sequence would cost more than it saves.
 _OWN_CALL = 128
 # Lengths from _ALIGN_FROM tokens are padded to a multiple of _ALIGN (shorter ones measured no faster).
 _ALIGN, _ALIGN_FROM = 16, 64

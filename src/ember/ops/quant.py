@@ -17,7 +17,7 @@ one of:
 - `torch._int_mm` (VNNI where the CPU has it) everywhere else (until the native kernel is built, and on CPUs
   without AVX-512 VNNI): see `onednn_int8`;
 - on x86 CPUs without VNNI or AMX (AVX2 only), a float32 product of the same int8 values (exact up to float32
-  rounding of the sums): torch._int_mm runs reference code there, ~50x slower than float32's (`int_mm_fast`).
+  rounding of the sums): torch._int_mm runs reference code there, far slower than float32's (`int_mm_fast`).
 
 On the other two, each step is a plain torch op, so inside a compiled region (ops.fused) the activation
 quantisation fuses into the norm before it and the rescale into whatever follows: run eagerly, those two
@@ -143,8 +143,8 @@ def onednn_int8() -> bool:
 
 @functools.cache
 def int_mm_fast() -> bool:
-    """Whether torch._int_mm has a fast path on this CPU: on x86 only with VNNI or AMX (an AVX2-only Zen 3 ran it at
-    1.7 GOPS against float32's 85 GFLOPS: benchmarks/NOTES.md); assumed on aarch64 (not measured)."""
+    """Whether torch._int_mm has a fast path on this CPU: on x86 only with VNNI or AMX (without them it runs reference
+    code, far slower than float32: benchmarks/NOTES.md); assumed on aarch64 (not measured)."""
     flags = cpu_flags()
     if "asimd" in flags:  # aarch64
         return True

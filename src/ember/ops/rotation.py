@@ -22,8 +22,8 @@ __all__ = ["BLOCK", "block_size", "hadamard", "rotate"]
 
 BLOCK = 64
 """The largest block rotated as one; an input width takes the largest power of two up to this that divides it.
-Rotating costs BLOCK multiply-adds per input (3% of a Qwen3-0.6B forward at 64, 6% at 128), and on real MiniLM
-weights blocks of 32 to 512 kept the same recall (benchmarks/NOTES.md)."""
+Rotating costs BLOCK multiply-adds per input, and on real MiniLM weights blocks of 32 to 512 kept the same recall
+(benchmarks/NOTES.md has both measured)."""
 
 
 def block_size(k: int, largest: int = BLOCK) -> int:
@@ -51,7 +51,7 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     bfloat16 rows (one rounding, far below an int8 step), else float32.
 
     An op of its own so compiled regions call one matrix product for it (inductor, left to itself, wrote the
-    small product with a constant matrix as loops: 1.2x the whole int8 forward)."""
+    small product with a constant matrix as loops, slowing the whole int8 forward: benchmarks/NOTES.md)."""
     t, k = x.shape
     rows = x if x.dtype == torch.bfloat16 else x.float()
     return (rows.reshape(-1, h.shape[0]) @ h.to(rows.dtype)).reshape(t, k)

@@ -1,8 +1,9 @@
-#!/usr/bin/env python3
 """Build a local stand-in for Qwen/Qwen3-Embedding-0.6B for benchmarks (no network access).
 
 Same config and key names as the real checkpoint, seeded random weights streamed to
 safetensors tensor by tensor, the real Qwen3 tokenizer and the sentence-transformers files.
+
+    PYTHONPATH=benchmarks python -m harness.qwen3_model --out models/qwen3-emb-0.6b-random
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import checkpoints
+from harness.models import checkpoints
 
 _builders = checkpoints().builders  # the tests' checkpoint builders
 QWEN3_EMBEDDING_0_6B_CONFIG, QWEN3_PROMPTS = _builders.QWEN3_EMBEDDING_0_6B_CONFIG, _builders.QWEN3_PROMPTS
