@@ -89,7 +89,10 @@ DTYPES: dict[str, dict[str, str]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8 (float32 activations)": {"dtype": "float32", "quantization": "int8"},
     "int8 (bfloat16 activations)": {"dtype": "bfloat16", "quantization": "int8"},
+    "int8, plain rounding (float32 activations)": {"dtype": "float32", "quantization": "int8", "calibration": "none"},
+    "int8, plain rounding (bfloat16 activations)": {"dtype": "bfloat16", "quantization": "int8", "calibration": "none"},
 }
+"""int8 rounds its weights against ember's bundled calibration text (GPTQ) unless calibration is none."""
 
 
 def compute_dtypes(model: str | None, queries: list[str], docs: list[str], truth: np.ndarray) -> dict[str, dict]:

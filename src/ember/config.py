@@ -164,6 +164,9 @@ class ModelConfig:
     half run as bfloat16); int8 is --quantization int8 in the auto dtype."""
     quantization: Literal["int8"] | None = None
     """int8: weights at one byte and per-token int8 activations in the linear layers."""
+    calibration: str | None = None
+    """With int8: a text file, one text per line, that the weights are rounded against (GPTQ); none: plain rounding;
+    None: ember's bundled English sentences. Done once per model and calibration, then read from the cache."""
     max_model_len: int | None = None
     """Longest input in tokens; None: the model's positions, capped by sentence-transformers' max_seq_length."""
     hf_overrides: dict[str, Any] | None = None

@@ -70,13 +70,15 @@ class _Offline:
         auto_truncate: bool = False,
         threads: int | None = None,
         quantization: Literal["int8"] | None = None,
+        calibration: str | None = None,
         enforce_eager: bool = False,
         native: NativeConfig | None = None,
         config: ModelConfig | None = None,
     ) -> None:
         """`config`, when given, is the whole model configuration (as `ember serve`'s model flags build it, for
         `ember embed`): `model`, `dtype`, `max_model_len`, `pooler_config`, `revision`, `hf_overrides`,
-        `max_batch_tokens` and `quantization` are then not read."""
+        `max_batch_tokens`, `quantization` and `calibration` are then not read. `calibration`: with int8, a text file
+        (one text per line) the weights are rounded against, "none" for plain rounding (ModelConfig.calibration)."""
         # oneDNN reads its kernel cache bound at the first matmul: set it (unless the caller did) before any
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNEL_CACHE))
         set_threads(threads or cpu_budget().usable)  # the container's CPUs, not the host's
@@ -90,6 +92,7 @@ class _Offline:
                 revision=revision,
                 hf_overrides=hf_overrides,
                 quantization=quantization,
+                calibration=calibration,
                 max_batch_tokens=max_batch_tokens,
             )
         pooler = config.pooler

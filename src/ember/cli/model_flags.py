@@ -37,6 +37,7 @@ MODEL_KEYS = (
     "download_dir",
     "dtype",
     "quantization",
+    "quantization_calibration",
     "max_model_len",
     "hf_overrides",
     "pooler_config",
@@ -73,6 +74,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, positional: bool = True) -> N
     add_field_flag(p, "--download-dir", ModelConfig, "download_dir", shown="the Hugging Face cache")
     add_field_flag(p, "--dtype", ModelConfig, "dtype")
     add_field_flag(p, ("--quantization", "-q"), ModelConfig, "quantization", choices=["int8"])
+    add_field_flag(
+        p, "--quantization-calibration", ModelConfig, "calibration", metavar="FILE", shown="ember's bundled sentences"
+    )
     add_field_flag(p, "--max-model-len", ModelConfig, "max_model_len", type=parse_size, shown="the model's")
     add_field_flag(p, "--hf-overrides", ModelConfig, "hf_overrides", shown="none")
     add_field_flag(p, "--pooler-config", ModelConfig, "pooler", shown="from the checkpoint", dest="pooler_config")
@@ -140,6 +144,7 @@ def model_config(values: argparse.Namespace | Mapping[str, Any]) -> ModelConfig:
         download_dir=v.get("download_dir"),
         dtype=check_dtype(ModelConfig.dtype if dtype == "int8" else dtype),
         quantization=quantization,
+        calibration=v.get("quantization_calibration"),
         max_model_len=sizes.get("max_model_len"),
         hf_overrides=_mapping(v.get("hf_overrides"), "--hf-overrides"),
         pooler=PoolerConfig.parse(v.get("pooler_config") or v.get("override_pooler_config")),

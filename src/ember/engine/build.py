@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig, ModelConfig, NativeConfig
+from ember.engine.calibration import Int8Cache, calibration_forward, calibration_texts
 from ember.engine.cpu import torch_dtype
 from ember.engine.engine import AsyncEngine
 from ember.engine.runner import TorchRunner
@@ -38,7 +39,7 @@ from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
 from ember.ops.linear import hold_bf16, pack_linears, strip_f32
-from ember.ops.native import may_build
+from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
 from ember.resources import MemoryBudget, memory_budget
@@ -147,6 +148,38 @@ def _named(config: ModelConfig, memory: MemoryBudget, shared: SharedMemory | Non
         raise ConfigError(f"model {config.served_name or config.model or DEFAULT_MODEL}: {e}") from None
 
 
+def _quantize(
+    net: Architecture, p: ModelPlan, tokenizer: Tokenizer, calibration: str | None, native: NativeConfig
+) -> None:
+    """The model's int8 layers, rounded against the calibration text (GPTQ) unless it is `none`: the first time
+    for a model and text by a float forward over it, then from the cache."""
+    texts = calibration_texts(calibration)
+    if texts is None:
+        quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
+        return
+    cache = Int8Cache(cache_dir(native), p.path, p.dtype, texts)
+    run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len)
+    start, hit = time.perf_counter(), cache.complete
+    if not hit:
+        log.info(
+            "int8: rounding the weights against %d tokens of calibration text (GPTQ), once: cached in %s",
+            tokens,
+            cache.dir,
+        )
+    quantize_int8(
+        net,
+        p.dtype,
+        p.cls.int8_layers,
+        p.cls.int8_glu_layers,
+        calibrate=None if hit else run,
+        known=cache.known,
+        keep=cache.keep,
+    )
+    cache.finish()
+    how = "read from the cache" if hit and cache.complete else "calibrated"
+    log.info("int8 weights %s in %.1fs", how, time.perf_counter() - start)
+
+
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
     if asked is not None:
         if asked > positions:
@@ -173,7 +206,7 @@ def load(
     net = _load_weights(p, keep_bf16=_holds_bf16(p, native or NativeConfig()))
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
-        quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
+        _quantize(net, p, tokenizer, config.calibration, native or NativeConfig())
         if not int_mm_fast():
             log.warning(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "

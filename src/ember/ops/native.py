@@ -56,6 +56,7 @@ __all__ = [
     "PREBUILT_TIERS",
     "attention_kernel",
     "build_kernels",
+    "cache_dir",
     "elementwise_kernel",
     "int8_gemm_kernel",
     "linear_f32_kernel",
@@ -186,7 +187,7 @@ def _build(kernel: _Kernel, config: NativeConfig) -> tuple[ctypes.CDLL | None, s
     prebuilt, compiler, why_not = _origin(kernel, config)
     if why_not is not None:
         return None, why_not
-    source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
+    source, cache = _CSRC / f"{kernel.name}.cpp", cache_dir(config)
     try:
         if prebuilt is not None:
             path, how = prebuilt, "prebuilt, loaded from"
@@ -215,7 +216,7 @@ def _origin(kernel: _Kernel, config: NativeConfig) -> tuple[Path | None, str | N
     if missing:
         capped = " (as capped by EMBER_MAX_ISA)" if cpu_flags() != usable_cpu_flags() else ""
         return None, None, f"this CPU{capped} lacks {' '.join(sorted(missing))}; {instead}"
-    source, cache = _CSRC / f"{kernel.name}.cpp", _cache_dir(config)
+    source, cache = _CSRC / f"{kernel.name}.cpp", cache_dir(config)
     prebuilt = next(filter(None, (_prebuilt(source, cache, tier) for tier in _runnable_tiers())), None)
     compiler = find_compiler(config.compiler) if prebuilt is None else None
     if prebuilt is None and compiler is None:
@@ -323,7 +324,8 @@ def _march() -> list[str]:
     return ["-march=native", *off]
 
 
-def _cache_dir(config: NativeConfig) -> Path:
+def cache_dir(config: NativeConfig) -> Path:
+    """Where ember keeps what it builds once (kernels, calibrated int8 weights)."""
     return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "ember"
 
 

@@ -28,18 +28,21 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ember.hardware import cpu_flags
 from ember.ops.fused import silu_mul
+from ember.ops.gptq import MAX_INPUTS, gptq_int8, round_int8
 from ember.ops.linear import replace_linears
 from ember.ops.native import int8_gemm_kernel
 from ember.ops.rotation import BLOCK, block_size, hadamard, rotate
 
 __all__ = [
     "Int8Linear",
+    "Int8Weights",
     "int8_gemm",
     "int8_mm",
     "int8_targets",
@@ -178,15 +181,18 @@ class Int8Linear(nn.Module):
     `silu_mul(x)` then gives silu(gate) * up, in one kernel on the native path.
     rotation: the largest block of inputs rotated together (ember.ops.rotation; 1 or less: not rotated)."""
 
-    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, glu: bool = False, rotation: int = BLOCK) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        out_dtype: torch.dtype,
+        glu: bool = False,
+        rotation: int = BLOCK,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
-        b = block_size(linear.in_features, rotation)
-        self.rotation: torch.Tensor | None = hadamard(b) if b > 1 else None  # (b, b), applied to inputs and weights
-        w = linear.weight.detach().float()  # (N, K)
-        if self.rotation is not None:
-            w = rotate(w, self.rotation)
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
-        wq = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+        self.rotation = rotation_of(linear.in_features, rotation)  # (b, b), applied to inputs and weights
+        # int8 (N, K) and scales (N,), rounded in the rotated basis: given (GPTQ, or read back), else plain rounding
+        wq, scale = weights if weights is not None else round_int8(rotated_weight(linear, self.rotation))
         self.onednn = onednn_int8()
         self.int_mm = int_mm_fast()  # else torch._int_mm's inputs multiplied in float32
         self.qweight: torch.Tensor  # oneDNN's packed layout, (K, N) for torch._int_mm, or pack_tiles'
@@ -231,20 +237,88 @@ class Int8Linear(nn.Module):
         return silu_mul(self(x))
 
 
+def rotation_of(k: int, rotation: int = BLOCK) -> torch.Tensor | None:
+    """The (b, b) rotation block for `k` inputs (ember.ops.rotation), or None where no block divides k."""
+    b = block_size(k, rotation)
+    return hadamard(b) if b > 1 else None
+
+
+def rotated_weight(linear: nn.Linear, rotation: torch.Tensor | None) -> torch.Tensor:
+    """The layer's float32 weights (N, K) in the rotated basis its inputs are quantised in."""
+    w = linear.weight.detach().float()
+    return w if rotation is None else rotate(w, rotation)
+
+
 def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
     """The nn.Linear layers whose full name matches `pattern`: what quantize_int8 replaces."""
     wanted = re.compile(pattern)
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and wanted.search(name)}
 
 
-def quantize_int8(model: nn.Module, dtype: torch.dtype, pattern: str, glu: str | None = None) -> int:
+Int8Weights = tuple[torch.Tensor, torch.Tensor]
+"""A layer's int8 weights (N, K) and float32 scales (N,), in the rotated basis."""
+
+
+def quantize_int8(
+    model: nn.Module,
+    dtype: torch.dtype,
+    pattern: str,
+    glu: str | None = None,
+    *,
+    calibrate: Callable[[], None] | None = None,
+    known: Callable[[str], Int8Weights | None] = lambda name: None,
+    keep: Callable[[str, Int8Weights], None] = lambda name, weights: None,
+) -> int:
     """Replace each nn.Linear whose full name matches `pattern` by an Int8Linear; returns how many.
-    Those whose name also matches `glu` are SwiGLU gate/up layers (Int8Linear's glu)."""
+    Those whose name also matches `glu` are SwiGLU gate/up layers (Int8Linear's glu).
+
+    Weights come from `known(name)` where it has them (a cache); else, with `calibrate` (which runs the float model
+    on calibration text), each layer is rounded by GPTQ against the inputs it meets there, and replaced as soon as
+    its own forward has run; else, or for a layer the calibration did not reach, by plain rounding. Each
+    layer's weights go to `keep` once quantised."""
     names = list(int8_targets(model, pattern))  # names only: each float matrix is freed once replaced
     swiglu = {n for n in names if glu and re.search(glu, n)}
+
+    def quantize(name: str, weights: Int8Weights | None) -> None:
+        def make(linear: nn.Linear) -> Int8Linear:
+            w = weights if weights is not None else round_int8(rotated_weight(linear, rotation_of(linear.in_features)))
+            keep(name, w)
+            return Int8Linear(linear, out_dtype=dtype, glu=name in swiglu, weights=w)
+
+        replace_linears(model, [name], make)
+
+    todo = []
     for name in names:
-        replace_linears(model, [name], functools.partial(Int8Linear, out_dtype=dtype, glu=name in swiglu))
+        weights = known(name)
+        if weights is not None or calibrate is None:
+            quantize(name, weights)
+        else:
+            todo.append(name)
+    if todo and calibrate is not None:
+        hooks = [model.get_submodule(n).register_forward_hook(_calibrated(n, quantize)) for n in todo]
+        try:
+            calibrate()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    for name in todo:
+        if not isinstance(model.get_submodule(name), Int8Linear):
+            quantize(name, None)
     return len(names)
+
+
+def _calibrated(name: str, quantize: Callable[[str, Int8Weights | None], None]) -> Callable[..., None]:
+    """A forward hook that rounds its layer by GPTQ on the inputs it just met, and replaces it."""
+
+    def hook(linear: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if not isinstance(linear, nn.Linear) or linear.in_features > MAX_INPUTS:
+            return  # plain rounding, after the calibration
+        rotation = rotation_of(linear.in_features)
+        x = args[0].reshape(-1, linear.in_features)
+        x = (x.float() if rotation is None else rotate(x, rotation)).float()
+        quantize(name, gptq_int8(rotated_weight(linear, rotation), x.T @ x))
+
+    return hook
 
 
 def use_native_int8(model: nn.Module) -> int:
