@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,7 +109,9 @@ class Int8Cache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             tensors = {"q": weights[0].contiguous(), "scale": weights[1].contiguous()}
-            save_file(tensors, self.dir / f"{name}.safetensors")
+            part = self.dir / f"{name}.{os.getpid()}.part"  # whole or absent: another process may read the cache
+            save_file(tensors, part)
+            os.replace(part, self.dir / f"{name}.safetensors")
         except OSError as e:
             log.warning("int8 calibration not cached (%s): it will run again at the next start", e)
             self.writable = False
