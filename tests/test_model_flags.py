@@ -67,3 +67,11 @@ def test_a_mapping_with_typed_values_builds_the_same_config_as_the_flags():
     assert from_mapping == from_flags
     with pytest.raises(ConfigError, match="--hf-overrides"):
         model_config({"hf_overrides": "{not json"})
+
+
+@pytest.mark.parametrize("module,extra", [(serve, []), (doctor, []), (embed, ["in.jsonl", "-o", "out"])])
+def test_every_command_takes_the_same_process_flags(module, extra):
+    name = module.__name__.rsplit(".", 1)[-1]
+    flags = ["--threads", "3", "--cpu-bind", "0-1", "--enforce-eager", "--log-level", "debug"]
+    args = _parser(module).parse_args([name, *extra, *flags])
+    assert (args.threads, args.cpu_bind, args.enforce_eager, args.log_level) == (3, "0-1", True, "debug")

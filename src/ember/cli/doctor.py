@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ember.cli.model_flags import add_model_flags, add_models_flag, model_configs
+from ember.cli.model_flags import add_model_flags, add_models_flag, add_process_flags, model_configs
 from ember.cli.runtime import maybe_reexec_with_allocator, native_config, prepare_process
 from ember.errors import EmberError
 from ember.hardware import amx_granted, auto_dtype, cpu_flags, cpu_model, has_fast_bf16, isa_tier, usable_cpu_flags
@@ -25,8 +25,7 @@ def add_parser(sub: Any) -> None:
     )
     add_model_flags(p)  # every model flag `ember serve` takes, so doctor plans exactly what serve would
     add_models_flag(p)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cpu-bind", default=None)
+    add_process_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 

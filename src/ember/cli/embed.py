@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ember.cli.model_flags import add_model_flags, model_config, truncate
+from ember.cli.model_flags import add_model_flags, add_process_flags, model_config, truncate
 from ember.cli.runtime import isa_env, max_isa, maybe_reexec_with_allocator, native_config, prepare_process
 from ember.config import RAY_BATCH_SIZE, REMOTE_BATCH_SIZE
 from ember.errors import EmberError
@@ -59,9 +59,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--actors", type=int, default=None, help="with --ray: model copies (default: as the CPUs hold)")
     p.add_argument("--cpus-per-actor", type=int, default=None, help="with --ray: threads each (min(4, CPUs))")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="do not torch.compile the fused regions")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_process_flags(p)
     p.set_defaults(run=run)
 
 
@@ -72,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         maybe_reexec_with_allocator(sys.argv[1:])
         if args.ray is not None:
             return _on_ray(args)  # threads are the actors' to size, not this driver's
-        return _embed(args, prepare_process(args.threads, None).threads)
+        return _embed(args, prepare_process(args.threads, args.cpu_bind).threads)
     except EmberError as e:
         print(f"ember embed: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import os
 
 from ember.cli.fields import add_field_flag, field_default
 from ember.cli.frontend import add_frontend_flags
-from ember.cli.model_flags import add_model_flags, add_models_flag
+from ember.cli.model_flags import add_model_flags, add_models_flag, add_process_flags
 from ember.config import SERVED_CACHE_SIZE, EngineConfig, HttpConfig, ServerConfig
 from ember.errors import ConfigError
 
@@ -75,12 +75,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="an accepted key (Authorization: Bearer or x-api-key); repeat the flag for several",
     )
     _add_limit_flags(p)
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="never torch.compile the fused elementwise regions (by default they are built in the background after "
-        "start-up); ember's native kernels are governed by EMBER_NATIVE_* instead",
-    )
+    add_process_flags(p)
     p.add_argument("--runner", default="auto", choices=["auto", "pooling", "generate", "draft"])
     p.add_argument(
         "--convert",
@@ -90,14 +85,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--task", default=None, help="deprecated vLLM flag; embed, embedding, score and rerank accepted")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="compute threads (default: EMBER_THREADS, OMP_NUM_THREADS, else usable CPUs)",
-    )
-    p.add_argument("--cpu-bind", default=None, help="auto, nobind or a CPU list like 0-3 (VLLM_CPU_OMP_THREADS_BIND)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_frontend_flags(p)
     for flag in IGNORED_FLAGS:
         if flag in _IGNORED_SWITCHES:

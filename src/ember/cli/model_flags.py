@@ -23,6 +23,7 @@ __all__ = [
     "MODEL_KEYS",
     "add_model_flags",
     "add_models_flag",
+    "add_process_flags",
     "model_config",
     "model_configs",
     "parse_size",
@@ -85,6 +86,21 @@ def add_model_flags(p: argparse.ArgumentParser, *, positional: bool = True) -> N
     add_field_flag(p, "--max-queued-tokens", ModelConfig, "max_queued_tokens", type=parse_size)
     add_field_flag(p, "--memory-limit", ModelConfig, "memory_limit", shown="detected")
     add_field_flag(p, "--truncate", EngineConfig, "auto_truncate", action="store_true", default=False)
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    """How the process runs the model: threads, their binding, compiled regions, log level. serve, doctor and embed
+    take the same ones."""
+    threads = "compute threads (default: EMBER_THREADS, OMP_NUM_THREADS, else usable CPUs)"
+    p.add_argument("--threads", type=int, default=None, help=threads)
+    p.add_argument("--cpu-bind", default=None, help="auto, nobind or a CPU list like 0-3 (VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never torch.compile the fused elementwise regions (by default they are built in the background after "
+        "start-up); ember's native kernels are governed by EMBER_NATIVE_* instead",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def add_models_flag(p: argparse.ArgumentParser) -> None:
