@@ -158,9 +158,10 @@ def _quantize(
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
         return
     cache = Int8Cache(cache_dir(native), p.path, p.dtype, texts)
-    run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len)
     start, hit = time.perf_counter(), cache.complete
+    run = None
     if not hit:
+        run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len)
         log.info(
             "int8: rounding the weights against %d tokens of calibration text (GPTQ), once: cached in %s",
             tokens,
@@ -171,7 +172,7 @@ def _quantize(
         p.dtype,
         p.cls.int8_layers,
         p.cls.int8_glu_layers,
-        calibrate=None if hit else run,
+        calibrate=run,
         known=cache.known,
         keep=cache.keep,
     )
@@ -203,16 +204,17 @@ def load(
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
-    net = _load_weights(p, keep_bf16=_holds_bf16(p, native or NativeConfig()))
+    native = native or NativeConfig()
+    net = _load_weights(p, keep_bf16=_holds_bf16(p, native))
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
-        _quantize(net, p, tokenizer, config.calibration, native or NativeConfig())
+        _quantize(net, p, tokenizer, config.calibration, native)
         if not int_mm_fast():
             log.warning(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
                 "in float32: the weights take one byte, but --dtype float32 is faster here (docs/performance.md)"
             )
-    strips = strip_f32() and may_build("linear_f32", native or NativeConfig())  # float32 layers for its kernel
+    strips = strip_f32() and may_build("linear_f32", native)  # float32 layers for its kernel
     if pack_linears(net, p.dtype, strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))

@@ -174,6 +174,10 @@ def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, amax / 127.0
 
 
+Int8Weights = tuple[torch.Tensor, torch.Tensor]
+"""A layer's int8 weights (N, K) and float32 scales (N,), in the rotated basis."""
+
+
 class Int8Linear(nn.Module):
     """A drop-in for nn.Linear holding int8 weights and float32 per-channel scales (N,).
 
@@ -187,7 +191,7 @@ class Int8Linear(nn.Module):
         out_dtype: torch.dtype,
         glu: bool = False,
         rotation: int = BLOCK,
-        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        weights: Int8Weights | None = None,
     ) -> None:
         super().__init__()
         self.rotation = rotation_of(linear.in_features, rotation)  # (b, b), applied to inputs and weights
@@ -255,10 +259,6 @@ def int8_targets(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and wanted.search(name)}
 
 
-Int8Weights = tuple[torch.Tensor, torch.Tensor]
-"""A layer's int8 weights (N, K) and float32 scales (N,), in the rotated basis."""
-
-
 def quantize_int8(
     model: nn.Module,
     dtype: torch.dtype,
@@ -315,7 +315,7 @@ def _calibrated(name: str, quantize: Callable[[str, Int8Weights | None], None]) 
             return  # plain rounding, after the calibration
         rotation = rotation_of(linear.in_features)
         x = args[0].reshape(-1, linear.in_features)
-        x = (x.float() if rotation is None else rotate(x, rotation)).float()
+        x = (x if rotation is None else rotate(x, rotation)).float()
         quantize(name, gptq_int8(rotated_weight(linear, rotation), x.T @ x))
 
     return hook
