@@ -148,7 +148,7 @@ def test_float32_checkpoints_and_bf16_compute_hold_nothing(monkeypatch, tmp_path
 
     monkeypatch.setattr(build_mod, "may_build", lambda name, config: True)  # as on an AVX-512 CPU with a compiler
     held: list[int] = []
-    monkeypatch.setattr(build_mod, "hold_bf16", lambda net: held.append(linear_mod.hold_bf16(net)) or held[-1])
+    monkeypatch.setattr(build_mod, "hold_bf16", lambda net, *a: held.append(linear_mod.hold_bf16(net, *a)) or held[-1])
     Embedder(str(build_bert(tmp_path / "bert")), dtype="float32")  # float32 weights: nothing bf16 to hold
     assert held == [0]
     Embedder(str(qwen3_bf16), dtype="bfloat16")

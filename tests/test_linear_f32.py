@@ -15,7 +15,7 @@ from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
-from ember.ops.linear import StripLinear, pack_f32, release_strips, strip_width, unpack_f32
+from ember.ops.linear import StripLinear, pack_bf16, pack_f32, release_strips, strip_width, unpack_bf16, unpack_f32
 from ember.ops.native import build_kernels, linear_f32_kernel
 from parity import cos, st_reference
 
@@ -59,6 +59,45 @@ def test_kernel_matches_float64(kernel, rows, k, n, bias):
     expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     ours = torch.ops.ember.linear_f32w(x, pack_f32(layer.weight.detach()), layer.bias)
     torch.testing.assert_close(ours.double(), expected, atol=2e-5 * k**0.5, rtol=1e-5)
+
+
+def _bf16_layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    """A layer of a bf16 checkpoint as the loader leaves it for hold_bf16: bf16 weights, a float32 bias."""
+    layer = _layer(k, n, bias, seed)
+    layer.weight = nn.Parameter(layer.weight.detach().bfloat16(), requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 7, 15, 64, PANEL + 7])
+@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (1024, 32, False)])
+def test_bf16_words_match_float64(kernel, rows, k, n, bias):
+    """The same product on a bf16 checkpoint's weights in strips of bf16 words: the bf16 values, widened exactly."""
+    layer = _bf16_layer(k, n, bias)
+    w = layer.weight.detach()
+    words = pack_bf16(w, strip_width())
+    assert words.shape == (n // strip_width(), k, strip_width() // 2) and torch.equal(unpack_bf16(words), w.float())
+    x = torch.randn(rows, k)
+    expected = F.linear(x.double(), w.double(), None if layer.bias is None else layer.bias.double())
+    ours = torch.ops.ember.linear_f32h(x, words, layer.bias)
+    torch.testing.assert_close(ours.double(), expected, atol=2e-5 * k**0.5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="must be packed"):  # float32 strips are not read as words
+        torch.ops.ember.linear_f32h(x, pack_f32(w.float()), None)
+
+
+def test_a_bf16_layer_holds_half_the_bytes_and_equals_its_float32_layer(kernel, monkeypatch):
+    layer = _bf16_layer(256, 96)
+    held, wide = StripLinear(layer), StripLinear(_layer(256, 96))
+    wide.weight.copy_(pack_f32(layer.weight.detach().float()))  # the same values, as float32 strips
+    assert held.half and not wide.half
+    assert held.weight.nbytes * 2 == wide.weight.nbytes
+    x = torch.randn(PANEL + 23, 256)
+    batch = held(x)
+    assert torch.equal(batch, wide(x))  # the same sums in the same order
+    assert torch.equal(held(x[5:6]), batch[5:6])
+    widened = held.widened()
+    assert widened.weight.dtype == torch.float32 and torch.equal(widened.weight, layer.weight.float())
+    monkeypatch.setattr(linear_mod, "linear_f32_kernel", lambda: None)  # before the kernel loads
+    torch.testing.assert_close(held(x), batch, atol=1e-5, rtol=1e-5)
 
 
 def test_a_row_alone_equals_the_row_in_a_batch_and_spaced_rows_are_read(kernel):
@@ -118,3 +157,28 @@ def test_float32_models_laid_out_for_the_kernel_match_sentence_transformers(kern
     assert not any(isinstance(m, StripLinear) for m in model.modules())
     again, _ = embedder.embed(TEXTS)
     assert cos(again, ours).min() >= 0.99999
+
+
+def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, monkeypatch, tmp_path):
+    """As on a Zen 3 EPYC with Qwen3-Embedding (a bf16 checkpoint) in float32: every matrix kept as its bf16 words
+    (half the memory), the vectors those of the reference in float32 and of the same model with float32 strips;
+    where the kernel then does not load, the layers go back to float32 oneDNN layers and still match."""
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
+    monkeypatch.setattr(build_mod, "strip_f32", lambda: True)
+    path = build_qwen3(tmp_path / "m", dtype="bfloat16")
+    embedder = Embedder(str(path), dtype="float32")
+    model = embedder._loaded.runner.model
+    strips = [m for m in model.modules() if isinstance(m, StripLinear)]
+    assert len(strips) == 2 * 4 and all(m.half and m.weight.dtype == torch.int32 for m in strips)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # norms and embeddings widened
+    ours, _ = embedder.embed(TEXTS)
+    ref = st_reference(path, TEXTS, model_kwargs={"dtype": torch.float32})
+    assert cos(ours, ref).min() >= 0.99999
+    alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
+    assert cos(alone, ours[:3]).min() >= 0.999999
+    quantized = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
+    assert not any(isinstance(m, StripLinear) and m.half for m in quantized._loaded.runner.model.modules())
+    monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
+    embedder._loaded.runner.load_kernels()
+    assert not any(isinstance(m, StripLinear) for m in model.modules())
+    assert cos(embedder.embed(TEXTS)[0], ours).min() >= 0.99999

@@ -205,7 +205,8 @@ def load(
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
     native = native or NativeConfig()
-    net = _load_weights(p, keep_bf16=_holds_bf16(p, native))
+    strips = strip_f32() and may_build("linear_f32", native)  # float32 layers for ember's float32 product
+    net = _load_weights(p, keep_bf16=_holds_bf16(p, native, strips), strips=strips)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         _quantize(net, p, tokenizer, config.calibration, native)
@@ -214,7 +215,6 @@ def load(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
                 "in float32: the weights take one byte, but --dtype float32 is faster here (docs/performance.md)"
             )
-    strips = strip_f32() and may_build("linear_f32", native)  # float32 layers for its kernel
     if pack_linears(net, p.dtype, strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
@@ -249,17 +249,18 @@ def load(
     return Loaded(tokenizer, TorchRunner(net, head, info, native), info, p, seconds)
 
 
-def _holds_bf16(p: ModelPlan, native: NativeConfig) -> bool:
+def _holds_bf16(p: ModelPlan, native: NativeConfig, strips: bool) -> bool:
     """float32 on a checkpoint's bf16 matrices: kept bf16 where ember's bf16-weight product will run (half the
-    memory, and faster on small batches); the layers go back to float32 if it does not load
+    memory, and faster on small batches), or ember's float32 product on bf16 strips (`strips`: half the memory, as
+    fast from 15 rows up, twice at one row); the layers go back to float32 if their kernel does not load
     (TorchRunner.load_kernels)."""
-    return p.dtype == torch.float32 and not p.config.quantization and may_build("linear", native)
+    return p.dtype == torch.float32 and not p.config.quantization and (strips or may_build("linear", native))
 
 
-def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
+def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False) -> Architecture:
     """Build the model on the meta device, then assign each checkpoint tensor, cast once; with keep_bf16, bf16
-    matrices stay bf16 (for ember.ops.linear.hold_bf16). (The model's load hooks may merge checkpoint tensors,
-    e.g. q/k/v into one matrix.)"""
+    matrices stay bf16 (for ember.ops.linear.hold_bf16, on StripLinear with `strips`). (The model's load hooks may
+    merge checkpoint tensors, e.g. q/k/v into one matrix.)"""
     with torch.device("meta"):
         net = p.cls.from_config(p.hf_config)
     expected = {k: v.shape for k, v in net.state_dict().items()}
@@ -286,7 +287,7 @@ def _load_weights(p: ModelPlan, keep_bf16: bool = False) -> Architecture:
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    held = hold_bf16(net) if keep_bf16 else 0
+    held = hold_bf16(net, strips) if keep_bf16 else 0
     if held:
         log.info("float32 compute; %d linear layers hold their bf16 checkpoint weights", held)
     return net.eval().requires_grad_(False)

@@ -183,6 +183,16 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]))
 
 
+# linear_f32h(x, w, bias): the same product on bf16 weights packed by pack_bf16 in strips of strip_width() channels
+# ((N / S, K, S / 2) int32 words).
+torch.library.define("ember::linear_f32h", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("ember::linear_f32h")
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * w.shape[2] * 2))
+
+
 def pack_f32(w: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """(N, K) float32 weights -> the float32 kernel's layout: strips of `width` (default: strip_width()) output
     channels, (N / width, K, width)."""
@@ -198,32 +208,39 @@ def unpack_f32(strips: torch.Tensor) -> torch.Tensor:
 
 
 class StripLinear(nn.Module):
-    """A drop-in for a float32 nn.Linear (outputs a multiple of strip_width()), weights in pack_f32's strips for
-    ember's float32 product (csrc/linear_f32.cpp: the weights streamed while computed, taller batches in panels of
-    rows);
+    """A drop-in for a float32 nn.Linear (outputs a multiple of strip_width()), weights in strips for ember's float32
+    product (csrc/linear_f32.cpp: the weights streamed while computed, taller batches in panels of rows): pack_f32's
+    float32 strips, or, for a bf16 checkpoint's matrix (a bf16 `linear.weight`), pack_bf16's words in strips of the
+    same width, widened in registers (half the memory and the same results: its values are those bf16 ones);
     `forward(x, act)` also applies an activation named in ACTIVATIONS. Until the kernel is loaded, the weights are
     laid out plainly on each call."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight: torch.Tensor  # pack_f32's strips
+        self.weight: torch.Tensor  # pack_f32's strips, or pack_bf16's words
         self.bias: torch.Tensor | None
-        self.register_buffer("weight", pack_f32(linear.weight.detach().float()))
+        w = linear.weight.detach()
+        self.half = w.dtype == torch.bfloat16
+        self.register_buffer("weight", pack_bf16(w, strip_width()) if self.half else pack_f32(w.float()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if linear_f32_kernel() is not None and x.dtype == torch.float32:
-            y = torch.ops.ember.linear_f32w(x.reshape(-1, self.in_features), self.weight, self.bias)
-            y = y.view(*x.shape[:-1], self.out_features)
+            product = torch.ops.ember.linear_f32h if self.half else torch.ops.ember.linear_f32w
+            y = product(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(x, unpack_f32(self.weight), self.bias)
+            y = F.linear(x, self.plain(), self.bias)
         return ACTIVATIONS[act](y) if act else y
+
+    def plain(self) -> torch.Tensor:
+        """The (N, K) float32 matrix."""
+        return unpack_bf16(self.weight) if self.half else unpack_f32(self.weight)
 
     def widened(self) -> nn.Linear:
         """The float32 nn.Linear this layer stands for."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(unpack_f32(self.weight).contiguous(), requires_grad=False)
+        linear.weight = nn.Parameter(self.plain().contiguous(), requires_grad=False)
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias, requires_grad=False)
         return linear
@@ -240,19 +257,21 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[0] * 32))
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) bf16 weights -> the native kernel's layout: strips of 32 output channels, (N / 32, K, 16) int32
-    words, word d of input k holding channel d in its low 16 bits and channel d + 16 in its high 16 bits."""
+def pack_bf16(w: torch.Tensor, width: int = 32) -> torch.Tensor:
+    """(N, K) bf16 weights -> the native kernels' layout: strips of `width` output channels, (N / width, K,
+    width / 2) int32 words, word d of input k holding channel d in its low 16 bits and channel d + width / 2 in its
+    high 16 bits."""
     n, k = w.shape
-    pairs = w.reshape(n // 32, 2, 16, k).permute(0, 3, 2, 1).contiguous()  # (N / 32, K, 16, 2): (d, d + 16)
-    return pairs.view(torch.int32).reshape(n // 32, k, 16)
+    half = width // 2
+    pairs = w.reshape(n // width, 2, half, k).permute(0, 3, 2, 1).contiguous()  # (N / width, K, half, 2)
+    return pairs.view(torch.int32).reshape(n // width, k, half)
 
 
 def unpack_bf16(words: torch.Tensor) -> torch.Tensor:
     """pack_bf16's words back to the (N, K) matrix, as float32 (exact)."""
-    strips, k, _ = words.shape
-    pairs = words.view(torch.bfloat16).reshape(strips, k, 16, 2)
-    return pairs.permute(0, 3, 2, 1).reshape(strips * 32, k).float()
+    strips, k, half = words.shape
+    pairs = words.view(torch.bfloat16).reshape(strips, k, half, 2)
+    return pairs.permute(0, 3, 2, 1).reshape(strips * 2 * half, k).float()
 
 
 class Bf16Linear(nn.Module):
@@ -285,19 +304,21 @@ class Bf16Linear(nn.Module):
         return linear
 
 
-def hold_bf16(model: nn.Module) -> int:
+def hold_bf16(model: nn.Module, strips: bool = False) -> int:
     """In a float32 model loaded with its bf16 checkpoint matrices left bf16 (ember.engine.build): replace each
-    nn.Linear holding bf16 weights by a Bf16Linear where the kernel takes its shape (outputs a multiple of 32),
-    then widen every other bf16 parameter and buffer to float32; returns how many layers hold bf16."""
+    nn.Linear holding bf16 weights by a Bf16Linear where the kernel takes its shape (outputs a multiple of 32), or
+    with `strips` by a StripLinear on bf16 words (outputs a multiple of strip_width()), then widen every other bf16
+    parameter and buffer to float32; returns how many layers hold bf16."""
+    width = strip_width() if strips else 32
     names = [
         name
         for name, m in model.named_modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.out_features % 32 == 0
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.out_features % width == 0
     ]
-    held = replace_linears(model, names, Bf16Linear)
+    held = replace_linears(model, names, StripLinear if strips else Bf16Linear)
     widened: dict[int, torch.Tensor] = {}  # by the bf16 tensor's id: a tied matrix (SPLADE's decoder) stays one
     for module in model.modules():
-        if isinstance(module, Bf16Linear):
+        if isinstance(module, Bf16Linear | StripLinear):
             continue
         tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for table in tables:

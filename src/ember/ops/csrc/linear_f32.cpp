@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -43,18 +44,28 @@ constexpr int64_t kLine = 64;                // bytes per cache line
 // R rows of y (row stride ldy), a strip's kStrip channels = R rows of x (row stride ldx) times the strip's weights
 // w (K x kStrip), plus the bias (the strip's kStrip, or null). At step k it prefetches pf + k * pf_step (a share of
 // the next strip), when pf is not null.
-template <int R>
-inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+template <typename W>
+constexpr int64_t kStep = std::is_same_v<W, float> ? kStrip : kW;  // W elements per input k of a strip
+
+// A strip's kStrip weights of input k as two registers: float32 as they are, or bf16 pairs (pack_bf16's words,
+// width kW: channel d in the low half of word d, channel d + kW in its high half) widened by a shift and a mask.
+inline void load_strip(const float* p, V (&b)[kPer]) {
+  for (int c = 0; c < kPer; ++c) b[c] = L::load(p + c * kW);
+}
+inline void load_strip(const uint32_t* p, V (&b)[kPer]) { L::load_bf16_pairs(p, b[0], b[1]); }
+
+template <int R, typename W>
+inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const char* pf, int64_t pf_step) {
   V acc[R][kPer];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPer; ++c) acc[r][c] = L::zero();
-  const float* p = w;
-  for (int64_t k = 0; k < K; ++k, p += kStrip) {
+  const W* p = w;
+  for (int64_t k = 0; k < K; ++k, p += kStep<W>) {
     if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
     V b[kPer];
-    for (int c = 0; c < kPer; ++c) b[c] = L::load(p + c * kW);
+    load_strip(p, b);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V a = L::set(x[r * ldx + k]);
@@ -70,21 +81,22 @@ inline void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, c
 }
 
 // rows_block for a run-time row count 1 .. kRows.
-template <int R = kRows>
-inline void rows_any(int rows, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+template <typename W, int R = kRows>
+inline void rows_any(int rows, const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
                      int64_t ldy, const char* pf, int64_t pf_step) {
   if constexpr (R > 0) {
     if (rows == R) return rows_block<R>(x, ldx, w, K, bias, y, ldy, pf, pf_step);
-    rows_any<R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step);
+    rows_any<W, R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step);
   }
 }
 
 // One strip (its kStrip channels of y) for all M rows, in register blocks of equal size; `next` (or null): the strip
 // this thread computes after it, whose K x kStrip floats are prefetched in equal shares by this strip's passes.
-inline void strip_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, const float* bias, float* y,
-                       int64_t ldy, const float* next) {
+template <typename W>
+inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, const float* bias, float* y,
+                       int64_t ldy, const W* next) {
   const int64_t blocks = (M + kRows - 1) / kRows;
-  const int64_t lines = K * kStrip * int64_t(sizeof(float)) / kLine;
+  const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
     const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
     const char* pf = nullptr;
@@ -101,12 +113,14 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const float* w, i
 
 // y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). The
 // threads split the strips, each prefetching its next strip while it computes one.
-void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t N, const float* bias, float* y,
+template <typename W>
+void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t N, const float* bias, float* y,
             int64_t ldy) {
+  const int64_t strip = K * kStep<W>;
   at::parallel_for(0, N / kStrip, 1, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j)
-      strip_rows(x, ldx, M, w + j * K * kStrip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
-                 j + 1 < j1 ? w + (j + 1) * K * kStrip : nullptr);
+      strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
+                 j + 1 < j1 ? w + (j + 1) * strip : nullptr);
   });
 }
 
@@ -133,10 +147,14 @@ const char* ember_linear_f32_isa() {
 // torch's operator ember::linear_f32w(x, w, bias) (schema and shape function: ember.ops.linear).
 namespace {
 
-at::Tensor linear_f32w_op(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+// y = x W^T + bias for x (T, K) float32 and W packed as `w`: float32 strips (N / kStrip, K, kStrip), or bf16
+// pairs (N / kStrip, K, kW) int32 words; in panels of kPanel rows.
+at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool half) {
+  const int64_t step = half ? kW : kStrip;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear_f32w: x must be (T, K) float32");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kStrip && w.scalar_type() == at::kFloat && w.is_contiguous(),
-              "linear_f32w: w must be packed (N / ", kStrip, ", K, ", kStrip, ") float32");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == step && w.scalar_type() == (half ? at::kInt : at::kFloat) &&
+                  w.is_contiguous(),
+              "linear_f32w: w must be packed (N / ", kStrip, ", K, ", step, ") ", half ? "int32" : "float32");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0) * kStrip;
   TORCH_CHECK(w.size(1) == k, "linear_f32w: x has ", k, " inputs, the weights ", w.size(1));
@@ -144,14 +162,29 @@ at::Tensor linear_f32w_op(const at::Tensor& x_in, const at::Tensor& w, const std
               "linear_f32w: bias must be (N,) float32");
   at::Tensor out = at::empty({t, n}, x.options());
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  for (int64_t m = 0; m < t; m += kPanel)
-    linear(x.data_ptr<float>() + m * x.stride(0), std::min(kPanel, t - m), k, x.stride(0), w.data_ptr<float>(), n, b,
-           out.data_ptr<float>() + m * n, n);
+  for (int64_t m = 0; m < t; m += kPanel) {
+    const float* xm = x.data_ptr<float>() + m * x.stride(0);
+    float* ym = out.data_ptr<float>() + m * n;
+    const int64_t rows = std::min(kPanel, t - m);
+    if (half)
+      linear(xm, rows, k, x.stride(0), reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), n, b, ym, n);
+    else
+      linear(xm, rows, k, x.stride(0), w.data_ptr<float>(), n, b, ym, n);
+  }
   return out;
+}
+
+at::Tensor linear_f32w_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return product(x, w, bias, false);
+}
+
+at::Tensor linear_f32h_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return product(x, w, bias, true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_f32w", &linear_f32w_op);
+  m.impl("linear_f32h", &linear_f32h_op);
 }
