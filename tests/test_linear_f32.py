@@ -2,6 +2,8 @@
 against float64 (register blocks with the next strip prefetched; taller batches in panels of rows), a row alone equal to the row in a batch, the fallbacks (before the kernel loads, and oneDNN's layer
 where it never does), and whole models laid out for it against sentence-transformers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -178,6 +180,10 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     assert cos(alone, ours[:3]).min() >= 0.999999
     quantized = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
     assert not any(isinstance(m, StripLinear) and m.half for m in quantized._loaded.runner.model.modules())
+    wide = Embedder(str(path), dtype="float32", native=dataclasses.replace(NativeConfig(), linear=False))
+    wide_strips = [m for m in wide._loaded.runner.model.modules() if isinstance(m, StripLinear)]
+    assert len(wide_strips) == 2 * 4 and not any(m.half for m in wide_strips)  # EMBER_NATIVE_LINEAR=0
+    assert cos(wide.embed(TEXTS)[0], ours).min() >= 0.999999
     monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())

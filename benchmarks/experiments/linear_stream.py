@@ -11,7 +11,8 @@ round by round; it prints the median time per pass and each way's speed-up over 
 
 Ways: `plain` (F.linear: oneMKL's sgemm, packing panels on every call), `onednn` (weights packed once for
 oneDNN's matmul, as ember packs bf16 layers), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights,
-converted to float32 on each call), `bf16_native` (ember's Bf16Linear on its native kernel, where it builds).
+converted to float32 on each call), `bf16_native` (ember's Bf16Linear on its native kernel, where it builds),
+`strips` and `strips_bf16` (ember's float32 product on float32 strips and on bf16 words, where it builds).
 benchmarks/NOTES.md ("Linear layers") has what they measured.
 """
 
@@ -28,8 +29,8 @@ import torch.nn.functional as F
 
 from ember.cli.runtime import cap_isa, max_isa, maybe_reexec_with_allocator, native_config
 from ember.engine.cpu import set_threads
-from ember.ops.linear import Bf16Linear
-from ember.ops.native import build_kernels, linear_kernel
+from ember.ops.linear import Bf16Linear, pack_bf16, pack_f32, strip_width
+from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
 from ember.resources import cpu_budget
 
 SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))  # (K, N) of the 0.6B shape's products
@@ -46,6 +47,12 @@ def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], t
         "mkl_packed": lambda x, i: torch.ops.mkl._mkl_linear(x, mkl[i], ws[i], None, x.shape[0]),
         "bf16_upcast": lambda x, i: F.linear(x, half[i].float()),
     }
+    if linear_f32_kernel() is not None:  # ember's float32 product: float32 strips, and bf16 words in strips
+        width = strip_width()
+        strips = [pack_f32(w, width) for w in ws]
+        words = [pack_bf16(w.bfloat16(), width) for w in ws]
+        ways["strips"] = lambda x, i: torch.ops.ember.linear_f32w(x, strips[i], None)
+        ways["strips_bf16"] = lambda x, i: torch.ops.ember.linear_f32h(x, words[i], None)
     if linear_kernel() is not None:
         held = []
         for w in ws:  # each as a float32 layer would be, then held as bf16

@@ -254,7 +254,8 @@ def _holds_bf16(p: ModelPlan, native: NativeConfig, strips: bool) -> bool:
     memory, and faster on small batches), or ember's float32 product on bf16 strips (`strips`: half the memory, as
     fast from 15 rows up, twice at one row); the layers go back to float32 if their kernel does not load
     (TorchRunner.load_kernels)."""
-    return p.dtype == torch.float32 and not p.config.quantization and (strips or may_build("linear", native))
+    held = (strips and native.enabled("linear")) or may_build("linear", native)  # EMBER_NATIVE_LINEAR=0: neither
+    return p.dtype == torch.float32 and not p.config.quantization and held
 
 
 def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False) -> Architecture:

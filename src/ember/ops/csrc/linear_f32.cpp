@@ -11,6 +11,10 @@
 // half a line at a time, ran at 0.8x). The rows go in register blocks of equal size (15 rows: 5 + 5 + 5 on AVX2, not
 // 6 + 6 + 3). Taller products run in panels of kPanel rows, each streaming the weights again while it computes
 // (0.9-1.0x oneDNN's at 512-2,048 rows, and no second copy of the weights nor a widened one).
+// A bf16 checkpoint's weights can stay bf16 in the same strips, as pack_bf16's words (channel d in the low half of
+// word d, channel d + kW in its high half), widened in registers by a shift and a mask as they are read
+// (ember::linear_f32h): half the bytes, the same sums. On a Zen 3 EPYC, 28 layers' matrices in turn: 2.0x at one row
+// (streaming-bound), 0.97-1.02x from 15 rows to 2,048 (benchmarks/NOTES.md).
 // Built and loaded like linear.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool. The register
 // blocks are written once against ember_vec::F32Lanes (16 lanes on AVX-512, 8 on AVX2 and NEON).
 
