@@ -90,7 +90,7 @@ def test_a_bf16_layer_holds_half_the_bytes_and_equals_its_float32_layer(kernel, 
     layer = _bf16_layer(256, 96)
     held, wide = StripLinear(layer), StripLinear(_layer(256, 96))
     wide.weight.copy_(pack_f32(layer.weight.detach().float()))  # the same values, as float32 strips
-    assert held.half and not wide.half
+    assert held.bf16 and not wide.bf16
     assert held.weight.nbytes * 2 == wide.weight.nbytes
     x = torch.randn(PANEL + 23, 256)
     batch = held(x)
@@ -171,7 +171,7 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     embedder = Embedder(str(path), dtype="float32")
     model = embedder._loaded.runner.model
     strips = [m for m in model.modules() if isinstance(m, StripLinear)]
-    assert len(strips) == 2 * 4 and all(m.half and m.weight.dtype == torch.int32 for m in strips)
+    assert len(strips) == 2 * 4 and all(m.bf16 and m.weight.dtype == torch.int32 for m in strips)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # norms and embeddings widened
     ours, _ = embedder.embed(TEXTS)
     ref = st_reference(path, TEXTS, model_kwargs={"dtype": torch.float32})
@@ -179,11 +179,14 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     alone = np.stack([embedder.embed([t])[0][0] for t in TEXTS[:3]])
     assert cos(alone, ours[:3]).min() >= 0.999999
     quantized = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
-    assert not any(isinstance(m, StripLinear) and m.half for m in quantized._loaded.runner.model.modules())
+    assert not any(isinstance(m, StripLinear) and m.bf16 for m in quantized._loaded.runner.model.modules())
     wide = Embedder(str(path), dtype="float32", native=dataclasses.replace(NativeConfig(), linear=False))
     wide_strips = [m for m in wide._loaded.runner.model.modules() if isinstance(m, StripLinear)]
-    assert len(wide_strips) == 2 * 4 and not any(m.half for m in wide_strips)  # EMBER_NATIVE_LINEAR=0
+    assert len(wide_strips) == 2 * 4 and not any(m.bf16 for m in wide_strips)  # EMBER_NATIVE_LINEAR=0
     assert cos(wide.embed(TEXTS)[0], ours).min() >= 0.999999
+    # the memory plan counts the held matrices at two bytes a weight (doctor and the limits say what they take)
+    saved = wide._loaded.plan.memory.weights_bytes - embedder._loaded.plan.memory.weights_bytes
+    assert saved == sum(m.weight.nbytes for m in strips) > 0
     monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())

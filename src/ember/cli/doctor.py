@@ -114,7 +114,7 @@ def _models(args: argparse.Namespace, gflops: dict[str, float]) -> list[dict[str
     from ember.engine.build import plan_models
     from ember.sizing import flops_per_token
 
-    plans = plan_models([config for config, _, _ in model_configs(args)])
+    plans = plan_models([config for config, _, _ in model_configs(args)], native=native_config())
     out = []
     for p in plans:
         per_token = flops_per_token(p.hf_config, 512, p.cls.is_decoder)

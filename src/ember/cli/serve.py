@@ -188,11 +188,12 @@ def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
     from ember.engine.build import build_engines, load, plan_models
 
     wanted = model_configs(args)
-    plans = plan_models([config for config, _, _ in wanted])
+    native = native_config()
+    plans = plan_models([config for config, _, _ in wanted], native=native)
     # Loading runs on a thread that ends with it, taking along the pool of workers OpenMP keeps for each
     # thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start).
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
-        loaded = [loader.submit(load, p.config, native_config(), planned=p).result() for p in plans]
+        loaded = [loader.submit(load, p.config, native, planned=p).result() for p in plans]
     base = _engine_config(args)
     engines = build_engines(
         [(m, replace(base, auto_truncate=cut)) for m, (_, cut, _) in zip(loaded, wanted, strict=True)],

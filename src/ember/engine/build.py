@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ember.config import EngineConfig, ModelConfig, NativeConfig
 from ember.engine.calibration import Int8Cache, calibration_forward, calibration_texts
@@ -29,6 +30,7 @@ from ember.errors import CheckpointError, ConfigError
 from ember.models.base import Architecture
 from ember.models.checkpoint import (
     DEFAULT_MODEL,
+    checkpoint_matrices_bf16,
     iter_weights,
     parameter_count,
     read_config,
@@ -38,7 +40,7 @@ from ember.models.checkpoint import (
 from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
-from ember.ops.linear import hold_bf16, pack_linears, strip_f32
+from ember.ops.linear import hold_bf16, pack_linears, strip_f32, strip_width
 from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -67,6 +69,10 @@ class ModelPlan:
     dtype: torch.dtype
     max_model_len: int
     memory: MemoryPlan
+    strips: bool = False
+    """float32 layers go to ember's float32 product (AMD without AVX-512, its kernel allowed and buildable)."""
+    holds_bf16: bool = False
+    """float32 compute on a bf16 checkpoint whose matrices stay bf16 (hold_bf16), as the memory plan counts them."""
 
     @property
     def name(self) -> str:
@@ -88,9 +94,14 @@ class Loaded:
         return self.plan.memory
 
 
-def plan(config: ModelConfig, memory: MemoryBudget | None = None, shared: SharedMemory | None = None) -> ModelPlan:
+def plan(
+    config: ModelConfig,
+    memory: MemoryBudget | None = None,
+    shared: SharedMemory | None = None,
+    native: NativeConfig | None = None,
+) -> ModelPlan:
     """Decide everything about loading `config.model` and check it fits (beside the `shared` neighbours of a
-    server running several models), reading no weight."""
+    server running several models, with the `native` kernels allowed), reading no weight."""
     path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = {**read_config(path), **(config.hf_overrides or {})}
     st = read_st_modules(path)
@@ -108,6 +119,14 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None, shared: Shared
     int8_weights = weights - q8 * (size - 1)
     if config.quantization == "int8":
         weights = int8_weights
+    native = native or NativeConfig()
+    strips = strip_f32() and may_build("linear_f32", native)
+    holds = _holds_bf16(dtype, config, native, strips)
+    if holds and checkpoint_matrices_bf16(path):  # the held matrices take two bytes, not four
+        width = strip_width() if strips else 32
+        weights -= 2 * sum(
+            int(m.weight.numel()) for m in shape.modules() if type(m) is nn.Linear and m.out_features % width == 0
+        )
     intermediate = hf_config.get("intermediate_size", 4 * shape.hidden_size)
     answer_width, head_bytes = cls.head_memory(hf_config)
     memory_plan = plan_memory(
@@ -124,26 +143,32 @@ def plan(config: ModelConfig, memory: MemoryBudget | None = None, shared: Shared
         int8_weights_bytes=None if config.quantization else int8_weights,
         shared=shared,
     )
-    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan)
+    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, strips, holds)
 
 
-def plan_models(configs: list[ModelConfig], memory: MemoryBudget | None = None) -> list[ModelPlan]:
-    """One memory plan over the models one server runs: each fits beside the others' weights, the largest batch
-    of any (one runs at a time) and an equal share of the queue memory; a refusal names the model."""
+def plan_models(
+    configs: list[ModelConfig], memory: MemoryBudget | None = None, native: NativeConfig | None = None
+) -> list[ModelPlan]:
+    """One memory plan over the models one server runs (with the `native` kernels allowed): each fits beside the
+    others' weights, the largest batch of any (one runs at a time) and an equal share of the queue memory; a refusal
+    names the model."""
     memory = memory or memory_budget()
-    alone = [_named(c, memory) for c in configs]
+    alone = [_named(c, memory, native=native) for c in configs]
     if len(alone) == 1:
         return alone
     held = [p.memory.weights_bytes + p.memory.fixed_bytes for p in alone]
     batch = max(max(p.memory.max_batch_tokens, p.max_model_len) * p.memory.per_token_bytes for p in alone)
     share = 1 / len(configs)
-    return [_named(c, memory, SharedMemory(sum(held) - held[i], batch, share)) for i, c in enumerate(configs)]
+    others = [SharedMemory(sum(held) - held[i], batch, share) for i in range(len(configs))]
+    return [_named(c, memory, others[i], native) for i, c in enumerate(configs)]
 
 
-def _named(config: ModelConfig, memory: MemoryBudget, shared: SharedMemory | None = None) -> ModelPlan:
+def _named(
+    config: ModelConfig, memory: MemoryBudget, shared: SharedMemory | None = None, native: NativeConfig | None = None
+) -> ModelPlan:
     """plan(), its refusal naming the model."""
     try:
-        return plan(config, memory, shared)
+        return plan(config, memory, shared, native)
     except ConfigError as e:
         raise ConfigError(f"model {config.served_name or config.model or DEFAULT_MODEL}: {e}") from None
 
@@ -199,14 +224,13 @@ def load(
     """Load `config.model` (local directory, hub id, or None for the bundled default), by `planned` when it was
     planned already (plan_models)."""
     start = time.perf_counter()
-    p = planned or plan(config, memory)
+    native = native or NativeConfig()
+    p = planned or plan(config, memory, native=native)
     score = p.cls.task == "score"
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
-    native = native or NativeConfig()
-    strips = strip_f32() and may_build("linear_f32", native)  # float32 layers for ember's float32 product
-    net = _load_weights(p, keep_bf16=_holds_bf16(p, native, strips), strips=strips)
+    net = _load_weights(p, keep_bf16=p.holds_bf16, strips=p.strips)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         _quantize(net, p, tokenizer, config.calibration, native)
@@ -215,7 +239,7 @@ def load(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
                 "in float32: the weights take one byte, but --dtype float32 is faster here (docs/performance.md)"
             )
-    if pack_linears(net, p.dtype, strips) or config.quantization:
+    if pack_linears(net, p.dtype, p.strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
     dims = p.hf_config.get("matryoshka_dimensions")
@@ -249,13 +273,13 @@ def load(
     return Loaded(tokenizer, TorchRunner(net, head, info, native), info, p, seconds)
 
 
-def _holds_bf16(p: ModelPlan, native: NativeConfig, strips: bool) -> bool:
+def _holds_bf16(dtype: torch.dtype, config: ModelConfig, native: NativeConfig, strips: bool) -> bool:
     """float32 on a checkpoint's bf16 matrices: kept bf16 where ember's bf16-weight product will run (half the
     memory, and faster on small batches), or ember's float32 product on bf16 strips (`strips`: half the memory, as
     fast from 15 rows up, twice at one row); the layers go back to float32 if their kernel does not load
     (TorchRunner.load_kernels)."""
     held = (strips and native.enabled("linear")) or may_build("linear", native)  # EMBER_NATIVE_LINEAR=0: neither
-    return p.dtype == torch.float32 and not p.config.quantization and held
+    return dtype == torch.float32 and not config.quantization and held
 
 
 def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False) -> Architecture:

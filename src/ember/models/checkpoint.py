@@ -229,6 +229,21 @@ def parameter_count(path: Path) -> int:
     return total
 
 
+def checkpoint_matrices_bf16(path: Path) -> bool:
+    """Whether every matrix (2-D tensor) of a safetensors checkpoint is stored in bf16, read from file headers; False
+    for PyTorch .bin checkpoints (not read here)."""
+    files = weight_files(path)
+    if not files or any(file.suffix == ".bin" for file in files):
+        return False
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                part = f.get_slice(name)
+                if len(part.get_shape()) == 2 and part.get_dtype() != "BF16":
+                    return False
+    return True
+
+
 def concat_hook(merged: str, parts: tuple[str, ...]) -> Callable[..., None]:
     """A load_state_dict pre-hook replacing the checkpoint's `parts` layers (weights, and biases where
     they have them) by one `merged` layer, stacked along the output axis in the order the forward splits it."""

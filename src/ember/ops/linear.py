@@ -220,14 +220,14 @@ class StripLinear(nn.Module):
         self.weight: torch.Tensor  # pack_f32's strips, or pack_bf16's words
         self.bias: torch.Tensor | None
         w = linear.weight.detach()
-        self.half = w.dtype == torch.bfloat16
-        self.register_buffer("weight", pack_bf16(w, strip_width()) if self.half else pack_f32(w.float()))
+        self.bf16 = w.dtype == torch.bfloat16
+        self.register_buffer("weight", pack_bf16(w, strip_width()) if self.bf16 else pack_f32(w.float()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if linear_f32_kernel() is not None and x.dtype == torch.float32:
-            product = torch.ops.ember.linear_f32h if self.half else torch.ops.ember.linear_f32w
+            product = torch.ops.ember.linear_f32h if self.bf16 else torch.ops.ember.linear_f32w
             y = product(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.plain(), self.bias)
@@ -235,7 +235,7 @@ class StripLinear(nn.Module):
 
     def plain(self) -> torch.Tensor:
         """The (N, K) float32 matrix."""
-        return unpack_bf16(self.weight) if self.half else unpack_f32(self.weight)
+        return unpack_bf16(self.weight) if self.bf16 else unpack_f32(self.weight)
 
     def widened(self) -> nn.Linear:
         """The float32 nn.Linear this layer stands for."""
