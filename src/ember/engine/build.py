@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ember.config import EngineConfig, ModelConfig, NativeConfig
 from ember.engine.calibration import Int8Cache, calibration_forward, calibration_texts
@@ -40,7 +39,7 @@ from ember.models.checkpoint import (
 from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
-from ember.ops.linear import hold_bf16, pack_linears, strip_f32, strip_width
+from ember.ops.linear import hold_bf16, holdable, pack_linears, strip_f32
 from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -123,10 +122,7 @@ def plan(
     strips = strip_f32() and may_build("linear_f32", native)
     holds = _holds_bf16(dtype, config, native, strips)
     if holds and checkpoint_matrices_bf16(path):  # the held matrices take two bytes, not four
-        width = strip_width() if strips else 32
-        weights -= 2 * sum(
-            int(m.weight.numel()) for m in shape.modules() if type(m) is nn.Linear and m.out_features % width == 0
-        )
+        weights -= 2 * sum(int(m.weight.numel()) for m in holdable(shape, strips).values())
     intermediate = hf_config.get("intermediate_size", 4 * shape.hidden_size)
     answer_width, head_bytes = cls.head_memory(hf_config)
     memory_plan = plan_memory(

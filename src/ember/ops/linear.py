@@ -34,6 +34,7 @@ __all__ = [
     "PackedLinear",
     "StripLinear",
     "hold_bf16",
+    "holdable",
     "linear_act",
     "onednn_bf16",
     "onednn_f32",
@@ -304,17 +305,19 @@ class Bf16Linear(nn.Module):
         return linear
 
 
+def holdable(model: nn.Module, strips: bool = False) -> dict[str, nn.Linear]:
+    """The nn.Linear layers of `model` whose outputs fill the bf16-weight kernel's strips (32 outputs for Bf16Linear,
+    strip_width() for StripLinear with `strips`): those hold_bf16 may hold, by name."""
+    width = strip_width() if strips else 32
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and m.out_features % width == 0}
+
+
 def hold_bf16(model: nn.Module, strips: bool = False) -> int:
     """In a float32 model loaded with its bf16 checkpoint matrices left bf16 (ember.engine.build): replace each
     nn.Linear holding bf16 weights by a Bf16Linear where the kernel takes its shape (outputs a multiple of 32), or
     with `strips` by a StripLinear on bf16 words (outputs a multiple of strip_width()), then widen every other bf16
     parameter and buffer to float32; returns how many layers hold bf16."""
-    width = strip_width() if strips else 32
-    names = [
-        name
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.out_features % width == 0
-    ]
+    names = [name for name, m in holdable(model, strips).items() if m.weight.dtype == torch.bfloat16]
     held = replace_linears(model, names, StripLinear if strips else Bf16Linear)
     widened: dict[int, torch.Tensor] = {}  # by the bf16 tensor's id: a tied matrix (SPLADE's decoder) stays one
     for module in model.modules():
