@@ -17,7 +17,8 @@ from ember.models.checkpoint import parameter_count
 from ember.models.llama import Block
 from ember.ops import quant
 from ember.ops.fused import can_compile
-from ember.ops.native import build_kernels, int8_gemm_kernel
+from ember.ops.linear import pack_f32, strip_width
+from ember.ops.native import build_kernels, int8_gemm_kernel, linear_f32_kernel
 from ember.ops.quant import Int8Linear, int8_gemm, onednn_int8, pack_tiles, use_native_int8
 from ember.ops.rotation import block_size, hadamard, rotate
 
@@ -46,22 +47,54 @@ def _exact(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return (xq @ wq.t()) * xs * ws + (0 if linear.bias is None else linear.bias.double())
 
 
-@pytest.mark.parametrize("backend", ["onednn", "int_mm", "native"])
+@pytest.mark.parametrize("backend", ["onednn", "int_mm", "native", "float", "strips"])
 def test_int8_linear_is_exact_integer_arithmetic(backend, monkeypatch):
+    """Each way an int8 layer multiplies: oneDNN's (AMX), torch._int_mm, ember's int8 kernel (AMX or VNNI), and on
+    CPUs without either, the int8 values in float32: converted per call, or in the float32 product's int8 strips."""
     if backend == "onednn" and not onednn_int8():
         pytest.skip("oneDNN's int8 matmul is not used here (it needs AMX int8 and a torch build with it)")
     if backend == "native" and not _native_int8():
         pytest.skip("ember's native int8 kernel cannot run here")
-    monkeypatch.setattr(quant, "onednn_int8", lambda: backend != "int_mm")
+    if backend == "strips" and not _strips():
+        pytest.skip("the float32 product's kernel cannot run here")
+    monkeypatch.setattr(quant, "onednn_int8", lambda: backend in ("onednn", "native"))
+    monkeypatch.setattr(quant, "int_mm_fast", lambda: backend not in ("float", "strips"))
+    if backend == "strips":  # as on a CPU without VNNI or AMX, where ember's int8 kernel is not built
+        monkeypatch.setattr(quant, "int8_gemm_kernel", lambda: None)
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 96)
     x = torch.randn(37, 128) * torch.linspace(0.01, 30, 37)[:, None]  # tokens of very different scales
     layer = Int8Linear(linear, torch.float32)
-    if backend == "native":
+    if backend in ("native", "strips"):
         assert use_native_int8(layer) == 1
-    assert layer.onednn == (backend != "int_mm") and (layer.qweight.dim() == 5) == (backend == "native")
+    dims = {"native": 5, "strips": 3}.get(backend, 2)
+    assert layer.onednn == (backend in ("onednn", "native")) and layer.qweight.dim() == dims
     got, want = layer(x).double(), _exact(linear, x)
     assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # float32 rounding only
+
+
+def _strips() -> bool:
+    build_kernels(NativeConfig())
+    return linear_f32_kernel() is not None
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 15, 300])
+def test_int8_strips_give_torch_int_mms_sums_and_a_row_alone_its_row_in_a_batch(tokens):
+    """The float32 product on int8 strips (CPUs without VNNI or AMX): every sum exactly the integer one (below
+    2**24, as here), whatever the rows' blocking."""
+    if not _strips():
+        pytest.skip("the float32 product's kernel cannot run here")
+    g = torch.Generator().manual_seed(tokens)
+    width = strip_width()
+    xq = torch.randint(-127, 128, (tokens, 768), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (3 * width, 768), dtype=torch.int8, generator=g)
+    strips = pack_f32(w, width)
+    assert strips.dtype == torch.int8 and strips.nbytes == w.nbytes
+    got = torch.ops.ember.linear_f32q(xq.float(), strips, None)
+    assert torch.equal(got.long(), xq.long() @ w.long().t())
+    assert torch.equal(torch.ops.ember.linear_f32q(xq[-1:].float(), strips, None), got[-1:])
+    with pytest.raises(RuntimeError, match="must be packed"):  # float32 strips are not read as int8
+        torch.ops.ember.linear_f32q(xq.float(), pack_f32(w.float(), width), None)
 
 
 @pytest.mark.usefixtures("native_int8")

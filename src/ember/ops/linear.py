@@ -194,9 +194,19 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[0] * w.shape[2] * 2))
 
 
+# linear_f32q(x, w, bias): the same product on int8 weights packed by pack_f32 ((N / S, K, S) int8), widened to
+# float32 as they are read (ember.ops.quant's int8 layers where the CPU has no int8 matrix instructions).
+torch.library.define("ember::linear_f32q", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("ember::linear_f32q")
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]))
+
+
 def pack_f32(w: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """(N, K) float32 weights -> the float32 kernel's layout: strips of `width` (default: strip_width()) output
-    channels, (N / width, K, width)."""
+    """(N, K) float32 (or int8) weights -> the float32 kernel's layout: strips of `width` (default: strip_width())
+    output channels, (N / width, K, width)."""
     n, k = w.shape
     width = width or strip_width()
     return w.reshape(n // width, width, k).transpose(1, 2).contiguous()

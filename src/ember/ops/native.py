@@ -6,11 +6,12 @@
 - elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused);
 - linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear);
 - linear_f32.cpp: float32 linear layers on AMD CPUs without AVX-512, weights streamed while computed, float32 or a
-  bf16 checkpoint's bf16 (ember.ops.linear).
+  bf16 checkpoint's bf16 (ember.ops.linear); and int8 layers' products on x86 CPUs without VNNI or AMX, on int8
+  weights widened as they are read (ember.ops.quant).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
-ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h; their schemas are
-defined in Python), which compiled regions call through the dispatcher without Python.
+ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h,
+ember::linear_f32q; their schemas are defined in Python), which compiled regions call through the dispatcher without Python.
 
 Two ways to get them, tried in this order:
 

@@ -17,7 +17,10 @@ one of:
 - `torch._int_mm` (VNNI where the CPU has it) everywhere else (until the native kernel is built, and on CPUs
   without AVX-512 VNNI): see `onednn_int8`;
 - on x86 CPUs without VNNI or AMX (AVX2 only), a float32 product of the same int8 values (exact up to float32
-  rounding of the sums): torch._int_mm runs reference code there, far slower than float32's (`int_mm_fast`).
+  rounding of the sums): torch._int_mm runs reference code there, far slower than float32's (`int_mm_fast`). Once
+  the float32 product's kernel is loaded (csrc/linear_f32.cpp), on int8 weights in its strips, widened as they are
+  read (a quarter of float32's bytes streamed, at float32's rate of multiply-adds); until then each matrix is
+  converted to float32 for oneMKL, call by call.
 
 On the other two, each step is a plain torch op, so inside a compiled region (ops.fused) the activation
 quantisation fuses into the norm before it and the rescale into whatever follows: run eagerly, those two
@@ -36,8 +39,8 @@ from torch import nn
 from ember.hardware import cpu_flags
 from ember.ops.fused import silu_mul
 from ember.ops.gptq import MAX_INPUTS, gptq_int8, round_int8
-from ember.ops.linear import replace_linears
-from ember.ops.native import int8_gemm_kernel
+from ember.ops.linear import pack_f32, replace_linears, strip_width
+from ember.ops.native import int8_gemm_kernel, linear_f32_kernel
 from ember.ops.rotation import BLOCK, block_size, hadamard, rotate
 
 __all__ = [
@@ -226,7 +229,10 @@ class Int8Linear(nn.Module):
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
         else:  # rounded where oneDNN rounds (to out_dtype after the weight scales), so both give the same vectors
-            acc = torch._int_mm(xq, w).float() if self.int_mm else _float_int_mm(xq, w)
+            if w.dim() == 3:  # int8 strips (use_native_int8), widened as they are read: the same sums in float32
+                acc = torch.ops.ember.linear_f32q(xq.float(), w, None)
+            else:
+                acc = torch._int_mm(xq, w).float() if self.int_mm else _float_int_mm(xq, w)
             y = (acc * self.scale).to(self.out_dtype).float()
         y = y * xs
         if self.bias is not None:
@@ -324,11 +330,14 @@ def _calibrated(name: str, quantize: Callable[[str, Int8Weights | None], None]) 
 def use_native_int8(model: nn.Module) -> int:
     """Once ember's native int8 kernel is built: move every Int8Linear of `model` whose shape it takes
     (inputs a multiple of 64, outputs of 32) to it, repacking the weights layer by layer; returns how many.
+    Where it is not (no VNNI or AMX) but the float32 product's kernel is, and the CPU has no fast torch._int_mm:
+    move the layers whose outputs fill its strips onto int8 strips it widens as it reads them (csrc/linear_f32.cpp;
+    converting the whole int8 matrix to float32 on every call cost about 4x float32's time on a Zen 3 EPYC).
 
     Safe beside a forward on another thread: each layer's weights are swapped in one assignment, and a
     forward reads them once (a layer runs on whichever kernel its weights are packed for)."""
     if int8_gemm_kernel() is None:
-        return 0
+        return _use_int8_strips(model) if linear_f32_kernel() is not None else 0
     moved = 0
     for layer in model.modules():
         if isinstance(layer, Int8Linear) and layer.qweight.dim() == 2 and _fits_tiles(layer):
@@ -338,5 +347,17 @@ def use_native_int8(model: nn.Module) -> int:
                 plain = interleave_glu(plain)
             layer.tile_scale = interleave_glu(layer.scale) if layer.glu else layer.scale
             layer.qweight = pack_tiles(plain)  # after tile_scale: a forward that sees the tiles has both
+            moved += 1
+    return moved
+
+
+def _use_int8_strips(model: nn.Module) -> int:
+    """use_native_int8's move onto the float32 product's int8 strips (layers on torch._int_mm's float fallback)."""
+    width = strip_width()
+    moved = 0
+    for layer in model.modules():
+        fits = isinstance(layer, Int8Linear) and layer.out_features % width == 0
+        if fits and not (layer.onednn or layer.int_mm) and layer.qweight.dim() == 2:
+            layer.qweight = pack_f32(layer.qweight.t(), width)  # (K, N) -> (N / width, K, width) int8
             moved += 1
     return moved

@@ -15,6 +15,9 @@
 // word d, channel d + kW in its high half), widened in registers by a shift and a mask as they are read
 // (ember::linear_f32h): half the bytes, the same sums. On a Zen 3 EPYC, 28 layers' matrices in turn: 2.0x at one row
 // (streaming-bound), 0.97-1.02x from 15 rows to 2,048 (benchmarks/NOTES.md).
+// int8 layers (ember.ops.quant) on CPUs without VNNI or AMX hold their int8 weights in the same strips and widen
+// them to float32 as they are read (ember::linear_f32q): x then holds each token's int8 values as floats, and the
+// sums are the int8 product's, exact while they stay below 2^24.
 // Built and loaded like linear.cpp (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool. The register
 // blocks are written once against ember_vec::F32Lanes (16 lanes on AVX-512, 8 on AVX2 and NEON).
 
@@ -49,7 +52,7 @@ constexpr int64_t kLine = 64;                // bytes per cache line
 // w (K x kStrip), plus the bias (the strip's kStrip, or null). At step k it prefetches pf + k * pf_step (a share of
 // the next strip), when pf is not null.
 template <typename W>
-constexpr int64_t kStep = std::is_same_v<W, float> ? kStrip : kW;  // W elements per input k of a strip
+constexpr int64_t kStep = std::is_same_v<W, uint32_t> ? kW : kStrip;  // W elements per input k of a strip
 
 // A strip's kStrip weights of input k as two registers: float32 as they are, or bf16 pairs (pack_bf16's words,
 // width kW: channel d in the low half of word d, channel d + kW in its high half) widened by a shift and a mask.
@@ -57,6 +60,9 @@ inline void load_strip(const float* p, V (&b)[kPer]) {
   for (int c = 0; c < kPer; ++c) b[c] = L::load(p + c * kW);
 }
 inline void load_strip(const uint32_t* p, V (&b)[kPer]) { L::load_bf16_pairs(p, b[0], b[1]); }
+inline void load_strip(const int8_t* p, V (&b)[kPer]) {
+  for (int c = 0; c < kPer; ++c) b[c] = L::load_int8(p + c * kW);
+}
 
 template <int R, typename W>
 inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
@@ -148,30 +154,35 @@ const char* ember_linear_f32_isa() {
 
 }  // extern "C"
 
-// torch's operator ember::linear_f32w(x, w, bias) (schema and shape function: ember.ops.linear).
+// torch's operators ember::linear_f32w / linear_f32h / linear_f32q(x, w, bias) (schemas and shape functions:
+// ember.ops.linear).
 namespace {
 
-// y = x W^T + bias for x (T, K) float32 and W packed as `w`: float32 strips (N / kStrip, K, kStrip), or bf16
-// pairs (N / kStrip, K, kW) int32 words; in panels of kPanel rows.
-at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool half) {
-  const int64_t step = half ? kW : kStrip;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear_f32w: x must be (T, K) float32");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == step && w.scalar_type() == (half ? at::kInt : at::kFloat) &&
-                  w.is_contiguous(),
-              "linear_f32w: w must be packed (N / ", kStrip, ", K, ", step, ") ", half ? "int32" : "float32");
+enum class Held { kFloat, kBf16, kInt8 };  // what the strips hold
+
+// y = x W^T + bias for x (T, K) float32 and W packed as `w`: float32 strips (N / kStrip, K, kStrip), bf16 pairs
+// (N / kStrip, K, kW) int32 words, or int8 strips (N / kStrip, K, kStrip); in panels of kPanel rows.
+at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, Held held) {
+  const int64_t step = held == Held::kBf16 ? kW : kStrip;
+  const at::ScalarType type = held == Held::kFloat ? at::kFloat : held == Held::kBf16 ? at::kInt : at::kChar;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "linear_f32: x must be (T, K) float32");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == step && w.scalar_type() == type && w.is_contiguous(),
+              "linear_f32: w must be packed (N / ", kStrip, ", K, ", step, ") ", c10::toString(type));
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0) * kStrip;
-  TORCH_CHECK(w.size(1) == k, "linear_f32w: x has ", k, " inputs, the weights ", w.size(1));
+  TORCH_CHECK(w.size(1) == k, "linear_f32: x has ", k, " inputs, the weights ", w.size(1));
   TORCH_CHECK(!bias || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "linear_f32w: bias must be (N,) float32");
+              "linear_f32: bias must be (N,) float32");
   at::Tensor out = at::empty({t, n}, x.options());
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   for (int64_t m = 0; m < t; m += kPanel) {
     const float* xm = x.data_ptr<float>() + m * x.stride(0);
     float* ym = out.data_ptr<float>() + m * n;
     const int64_t rows = std::min(kPanel, t - m);
-    if (half)
+    if (held == Held::kBf16)
       linear(xm, rows, k, x.stride(0), reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), n, b, ym, n);
+    else if (held == Held::kInt8)
+      linear(xm, rows, k, x.stride(0), w.data_ptr<int8_t>(), n, b, ym, n);
     else
       linear(xm, rows, k, x.stride(0), w.data_ptr<float>(), n, b, ym, n);
   }
@@ -179,11 +190,15 @@ at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, const std::optio
 }
 
 at::Tensor linear_f32w_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return product(x, w, bias, false);
+  return product(x, w, bias, Held::kFloat);
 }
 
 at::Tensor linear_f32h_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return product(x, w, bias, true);
+  return product(x, w, bias, Held::kBf16);
+}
+
+at::Tensor linear_f32q_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return product(x, w, bias, Held::kInt8);
 }
 
 }  // namespace
@@ -191,4 +206,5 @@ at::Tensor linear_f32h_op(const at::Tensor& x, const at::Tensor& w, const std::o
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_f32w", &linear_f32w_op);
   m.impl("linear_f32h", &linear_f32h_op);
+  m.impl("linear_f32q", &linear_f32q_op);
 }

@@ -207,6 +207,10 @@ struct F32Lanes {
     lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xffff0000u))));
   }
+  // kWidth int8 values as float32 (exact).
+  static V load_int8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 };
 #elif EMBER_F32X8
 struct F32Lanes {
@@ -230,6 +234,15 @@ struct F32Lanes {
     const uint32x4_t a = vld1q_u32(p), b = vld1q_u32(p + 4), m = vdupq_n_u32(0xffff0000u);
     lo = {vreinterpretq_f32_u32(vshlq_n_u32(a, 16)), vreinterpretq_f32_u32(vshlq_n_u32(b, 16))};
     hi = {vreinterpretq_f32_u32(vandq_u32(a, m)), vreinterpretq_f32_u32(vandq_u32(b, m))};
+#endif
+  }
+  // kWidth int8 values as float32 (exact).
+  static V load_int8(const int8_t* p) {
+#if defined(__x86_64__)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
 #endif
   }
 };
