@@ -11,7 +11,8 @@
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
 ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h,
-ember::linear_f32q; their schemas are defined in Python), which compiled regions call through the dispatcher without Python.
+ember::linear_f32q; their schemas are defined in Python), which compiled regions call through the dispatcher
+without Python.
 
 Two ways to get them, tried in this order:
 

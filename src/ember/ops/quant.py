@@ -356,8 +356,9 @@ def _use_int8_strips(model: nn.Module) -> int:
     width = strip_width()
     moved = 0
     for layer in model.modules():
-        fits = isinstance(layer, Int8Linear) and layer.out_features % width == 0
-        if fits and not (layer.onednn or layer.int_mm) and layer.qweight.dim() == 2:
+        if not isinstance(layer, Int8Linear) or layer.out_features % width:
+            continue
+        if not (layer.onednn or layer.int_mm) and layer.qweight.dim() == 2:
             layer.qweight = pack_f32(layer.qweight.t(), width)  # (K, N) -> (N / width, K, width) int8
             moved += 1
     return moved
