@@ -1,6 +1,7 @@
 """int8 mode: the kernels against exact integer arithmetic, accuracy against float32 on the real
 MiniLM and on Qwen3, what each model quantises, and compiled against eager."""
 
+import dataclasses
 import threading
 import time
 
@@ -275,6 +276,29 @@ def test_qwen3_int8_stays_close_and_quantises_every_linear_layer(qwen3_path):
     assert plan(ModelConfig(str(qwen3_path), dtype="bfloat16", quantization="int8")).memory.weights_bytes == (
         2 * (params - n_int8) + n_int8
     )
+
+
+def test_qwen3_int8_runs_on_int8_strips_where_the_cpu_has_no_int8_instructions(qwen3_path, monkeypatch):
+    """As on a Zen 3 EPYC or a Haswell Xeon (no VNNI, no AMX): once the float32 product's kernel loads, every int8
+    layer holds its int8 weights in its strips (one byte a weight), and the vectors are those of the same int8
+    values converted to float32 on each call; a text alone equals the same text in a batch."""
+    if not _strips():
+        pytest.skip("the float32 product's kernel cannot run here")
+    monkeypatch.setattr(quant, "int_mm_fast", lambda: False)
+    monkeypatch.setattr(quant, "onednn_int8", lambda: False)
+    monkeypatch.setattr(quant, "int8_gemm_kernel", lambda: None)
+    texts = SENTENCES[:12]
+    held = Embedder(str(qwen3_path), dtype="float32", quantization="int8", calibration="none")
+    layers = [m for m in held._loaded.runner.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 4 * 4
+    assert all(m.qweight.dim() == 3 and m.qweight.dtype == torch.int8 for m in layers)
+    assert all(m.qweight.numel() == m.in_features * m.out_features for m in layers)
+    no_strips = dataclasses.replace(NativeConfig(), linear_f32=False)
+    converted = Embedder(str(qwen3_path), dtype="float32", quantization="int8", calibration="none", native=no_strips)
+    assert all(m.qweight.dim() == 2 for m in converted._loaded.runner.model.modules() if isinstance(m, Int8Linear))
+    ours = held.embed(texts).vectors
+    assert (ours * converted.embed(texts).vectors).sum(1).min() >= 0.99999
+    assert float(held.embed(texts[3]).vectors[0] @ ours[3]) >= 0.999999
 
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")

@@ -8,6 +8,9 @@ batch timed three times; the sides alternate for --rounds rounds and the medians
     python benchmarks/experiments/kernel_switch.py --kernel int8_gemm --quantization int8 --rounds 2
     python benchmarks/experiments/kernel_switch.py --kernel linear --dtype float32  # bf16 weights against float32's
     python benchmarks/experiments/kernel_switch.py --kernel linear_f32 --dtype float32  # float32 product, oneDNN
+    python benchmarks/experiments/kernel_switch.py --kernel quantization --dtype float32  # int8 against float32
+
+`--kernel quantization` switches `--quantization int8` instead, every kernel as configured.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ def _side(
     from ember import Embedder
     from ember.cli.runtime import native_config
 
-    native = dataclasses.replace(native_config(), **{kernel: on})
+    if kernel == "quantization":
+        native, quantization = native_config(), "int8" if on else None
+    else:
+        native = dataclasses.replace(native_config(), **{kernel: on})
     embedder = Embedder(model, dtype=dtype, quantization=quantization, native=native)  # type: ignore[arg-type]
     rng = random.Random(0)
     out = {}
@@ -56,7 +62,7 @@ def _side(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models/qwen3-emb-0.6b-random"))
-    kernels = ["attention", "int8_gemm", "elementwise", "linear", "linear_f32"]
+    kernels = ["attention", "int8_gemm", "elementwise", "linear", "linear_f32", "quantization"]
     ap.add_argument("--kernel", default="attention", choices=kernels)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batches", default=",".join(BATCHES), help=f"of {', '.join(BATCHES)} (texts x words)")

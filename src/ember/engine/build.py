@@ -230,10 +230,17 @@ def load(
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         _quantize(net, p, tokenizer, config.calibration, native)
-        if not int_mm_fast():
-            log.warning(
+        if not int_mm_fast() and may_build("linear_f32", native):
+            log.info(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
-                "in float32: the weights take one byte, but --dtype float32 is faster here (docs/performance.md)"
+                "their int8 values in float32, on ember's float32 product: a quarter of float32's weight memory at "
+                "about its speed (docs/performance.md)"
+            )
+        elif not int_mm_fast():
+            log.warning(
+                "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), and ember's float32 "
+                "product cannot be built here, so int8 layers convert their weights to float32 on every call: the "
+                "weights take one byte, but --dtype float32 is several times faster (docs/performance.md)"
             )
     if pack_linears(net, p.dtype, p.strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8

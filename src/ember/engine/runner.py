@@ -76,7 +76,7 @@ class TorchRunner:
         oneDNN's."""
         try:
             report = build_kernels(self.native)
-            use_native_int8(self.model)
+            use_native_int8(self.model, self.native.enabled("int8_gemm"), self.native.enabled("linear_f32"))
         finally:
             if linear_kernel() is None:
                 release_bf16(self.model)

@@ -327,17 +327,20 @@ def _calibrated(name: str, quantize: Callable[[str, Int8Weights | None], None]) 
     return hook
 
 
-def use_native_int8(model: nn.Module) -> int:
+def use_native_int8(model: nn.Module, tiles: bool = True, strips: bool = True) -> int:
     """Once ember's native int8 kernel is built: move every Int8Linear of `model` whose shape it takes
     (inputs a multiple of 64, outputs of 32) to it, repacking the weights layer by layer; returns how many.
     Where it is not (no VNNI or AMX) but the float32 product's kernel is, and the CPU has no fast torch._int_mm:
     move the layers whose outputs fill its strips onto int8 strips it widens as it reads them (csrc/linear_f32.cpp;
     converting the whole int8 matrix to float32 on every call cost about 4x float32's time on a Zen 3 EPYC).
 
+    `tiles` / `strips`: whether the configuration allows either kernel (a library, once loaded, stays loaded for
+    the whole process, whatever another model's configuration says).
+
     Safe beside a forward on another thread: each layer's weights are swapped in one assignment, and a
     forward reads them once (a layer runs on whichever kernel its weights are packed for)."""
-    if int8_gemm_kernel() is None:
-        return _use_int8_strips(model) if linear_f32_kernel() is not None else 0
+    if not tiles or int8_gemm_kernel() is None:
+        return _use_int8_strips(model) if strips and linear_f32_kernel() is not None else 0
     moved = 0
     for layer in model.modules():
         if isinstance(layer, Int8Linear) and layer.qweight.dim() == 2 and _fits_tiles(layer):
