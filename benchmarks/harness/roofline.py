@@ -8,7 +8,7 @@ import torch
 
 from ember.engine.cpu import best_seconds, gemm_gflops, set_threads
 from ember.models.checkpoint import read_config, resolve_model
-from ember.ops.quant import Int8Linear, int8_mm
+from ember.ops.quant import Int8Linear, int8_mm, int_mm_fast
 from ember.resources import cpu_budget
 from ember.sizing import flops_per_token
 
@@ -16,8 +16,10 @@ from ember.sizing import flops_per_token
 def compute_limit(model: str, dtype: str, seq_len: int = 512) -> dict[str, float]:
     set_threads(cpu_budget().usable)
     config = read_config(resolve_model(model))
-    if dtype == "int8":  # --quantization int8: oneDNN's int8 matmul on packed weights
+    if dtype == "int8" and int_mm_fast():  # --quantization int8: the int8 matmul
         gflops = max(int8_gops(2048, repeats=5) for _ in range(3))
+    elif dtype == "int8":  # no int8 matrix instructions: int8 layers multiply their int8 values in float32
+        gflops = max(gemm_gflops(torch.float32, 2048, repeats=5) for _ in range(3))
     else:
         gflops = max(
             gemm_gflops(torch.bfloat16 if dtype == "bfloat16" else torch.float32, 2048, repeats=5) for _ in range(3)
