@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import ember.engine.build as build_mod
 from checkpoints import build_qwen3
 from corpus import DOCUMENTS, QUERIES, SENTENCES
 from ember import Embedder
@@ -299,6 +300,29 @@ def test_qwen3_int8_runs_on_int8_strips_where_the_cpu_has_no_int8_instructions(q
     ours = held.embed(texts).vectors
     assert (ours * converted.embed(texts).vectors).sum(1).min() >= 0.99999
     assert float(held.embed(texts[3]).vectors[0] @ ours[3]) >= 0.999999
+
+
+def test_float32_int8_is_quantised_straight_from_the_checkpoints_bf16_matrices(tmp_path, monkeypatch):
+    """Without calibration (or with its weights cached), a bf16 checkpoint's int8 layers are quantised from its bf16
+    matrices, the model never widened to float32 first: the same int8 values and vectors as through float32, and
+    every other tensor float32."""
+    path = build_qwen3(tmp_path / "m", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16")
+    config = ModelConfig(str(path), dtype="float32", quantization="int8", calibration="none")
+    assert build_mod._int8_from_checkpoint(config, plan(config), NativeConfig())
+    direct = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
+    monkeypatch.setattr(build_mod, "_int8_from_checkpoint", lambda *a: False)
+    widened = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
+    models = [e._loaded.runner.model for e in (direct, widened)]
+    assert all(p.dtype == torch.float32 for p in models[0].parameters())
+    assert all(b.dtype != torch.bfloat16 for b in models[0].buffers())
+    layers = [[m for m in model.modules() if isinstance(m, Int8Linear)] for model in models]
+    assert len(layers[0]) == len(layers[1]) == 2 * 4
+    for a, b in zip(*layers, strict=True):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale)
+    texts = SENTENCES[:8]
+    assert (direct.embed(texts).vectors * widened.embed(texts).vectors).sum(1).min() >= 0.999999
+    gptq = ModelConfig(str(path), dtype="float32", quantization="int8")  # a first start calibrates in float32
+    assert not build_mod._int8_from_checkpoint(gptq, plan(gptq), NativeConfig(cache_dir=str(tmp_path / "empty")))
 
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")

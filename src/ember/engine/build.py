@@ -39,7 +39,7 @@ from ember.models.checkpoint import (
 from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
-from ember.ops.linear import hold_bf16, holdable, pack_linears, strip_f32
+from ember.ops.linear import hold_bf16, holdable, pack_linears, strip_f32, widen_bf16
 from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -226,10 +226,13 @@ def load(
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
-    net = _load_weights(p, keep_bf16=p.holds_bf16, strips=p.strips)
+    direct = _int8_from_checkpoint(config, p, native)
+    net = _load_weights(p, keep_bf16=p.holds_bf16 or direct, strips=p.strips, hold=not direct)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
         _quantize(net, p, tokenizer, config.calibration, native)
+        if direct:
+            widen_bf16(net)  # what was not quantised
         if not int_mm_fast() and may_build("linear_f32", native):
             log.info(
                 "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
@@ -285,10 +288,21 @@ def _holds_bf16(dtype: torch.dtype, config: ModelConfig, native: NativeConfig, s
     return dtype == torch.float32 and not config.quantization and held
 
 
-def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False) -> Architecture:
+def _int8_from_checkpoint(config: ModelConfig, p: ModelPlan, native: NativeConfig) -> bool:
+    """Whether a float32 model's int8 layers are quantised straight from its checkpoint's bf16 matrices, without
+    widening the model to float32 first (start-up then peaks near the int8 model's size, not float32's): where no
+    float forward is needed, i.e. without calibration or with the calibrated weights already cached."""
+    if config.quantization != "int8" or p.dtype != torch.float32:
+        return False
+    texts = calibration_texts(config.calibration)
+    return texts is None or Int8Cache(cache_dir(native), p.path, p.dtype, texts).complete
+
+
+def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False, hold: bool = True) -> Architecture:
     """Build the model on the meta device, then assign each checkpoint tensor, cast once; with keep_bf16, bf16
-    matrices stay bf16 (for ember.ops.linear.hold_bf16, on StripLinear with `strips`). (The model's load hooks may
-    merge checkpoint tensors, e.g. q/k/v into one matrix.)"""
+    matrices stay bf16 (for ember.ops.linear.hold_bf16, on StripLinear with `strips`; without `hold`, as they are,
+    for the caller to quantise and widen). (The model's load hooks may merge checkpoint tensors, e.g. q/k/v into one
+    matrix.)"""
     with torch.device("meta"):
         net = p.cls.from_config(p.hf_config)
     expected = {k: v.shape for k, v in net.state_dict().items()}
@@ -315,7 +329,7 @@ def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False) -
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    held = hold_bf16(net, strips) if keep_bf16 else 0
+    held = hold_bf16(net, strips) if keep_bf16 and hold else 0
     if held:
         log.info("float32 compute; %d linear layers hold their bf16 checkpoint weights", held)
     return net.eval().requires_grad_(False)

@@ -48,6 +48,7 @@ __all__ = [
     "strip_width",
     "unpack_bf16",
     "unpack_f32",
+    "widen_bf16",
 ]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -329,6 +330,12 @@ def hold_bf16(model: nn.Module, strips: bool = False) -> int:
     parameter and buffer to float32; returns how many layers hold bf16."""
     names = [name for name, m in holdable(model, strips).items() if m.weight.dtype == torch.bfloat16]
     held = replace_linears(model, names, StripLinear if strips else Bf16Linear)
+    widen_bf16(model)
+    return held
+
+
+def widen_bf16(model: nn.Module) -> None:
+    """Every bf16 parameter and buffer of `model` to float32, except the weights Bf16Linear and StripLinear hold."""
     widened: dict[int, torch.Tensor] = {}  # by the bf16 tensor's id: a tied matrix (SPLADE's decoder) stays one
     for module in model.modules():
         if isinstance(module, Bf16Linear | StripLinear):
@@ -342,7 +349,6 @@ def hold_bf16(model: nn.Module, strips: bool = False) -> int:
                         param = isinstance(t, nn.Parameter)
                         widened[id(t)] = nn.Parameter(wide, requires_grad=False) if param else wide
                     table[key] = widened[id(t)]
-    return held
 
 
 def release_bf16(model: nn.Module) -> int:
