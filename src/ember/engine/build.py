@@ -202,6 +202,22 @@ def _quantize(
     log.info("int8 weights %s in %.1fs", how, time.perf_counter() - start)
 
 
+def _say_int8_path(native: NativeConfig) -> None:
+    """On CPUs without int8 matrix instructions, which way the int8 layers multiply (docs/performance.md)."""
+    if not int_mm_fast() and may_build("linear_f32", native):
+        log.info(
+            "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
+            "their int8 values in float32, on ember's float32 product: a quarter of float32's weight memory at "
+            "about its speed (docs/performance.md)"
+        )
+    elif not int_mm_fast():
+        log.warning(
+            "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), and ember's float32 "
+            "product cannot be built here, so int8 layers convert their weights to float32 on every call: the "
+            "weights take one byte, but --dtype float32 is several times faster (docs/performance.md)"
+        )
+
+
 def _max_model_len(positions: int, st_max: int | None, asked: int | None) -> int:
     if asked is not None:
         if asked > positions:
@@ -233,18 +249,7 @@ def load(
         _quantize(net, p, tokenizer, config.calibration, native)
         if direct:
             widen_bf16(net)  # what was not quantised
-        if not int_mm_fast() and may_build("linear_f32", native):
-            log.info(
-                "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
-                "their int8 values in float32, on ember's float32 product: a quarter of float32's weight memory at "
-                "about its speed (docs/performance.md)"
-            )
-        elif not int_mm_fast():
-            log.warning(
-                "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), and ember's float32 "
-                "product cannot be built here, so int8 layers convert their weights to float32 on every call: the "
-                "weights take one byte, but --dtype float32 is several times faster (docs/performance.md)"
-            )
+        _say_int8_path(native)
     if pack_linears(net, p.dtype, p.strips) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
