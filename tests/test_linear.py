@@ -175,6 +175,12 @@ def test_a_tied_matrix_is_widened_once():
     model[1].weight = model[0].weight  # as SPLADE ties its decoder to the word embeddings
     assert hold_bf16(model) == 0  # 10 outputs: not whole strips
     assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.float32
+    loaded = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))  # as load_state_dict(assign=True) ties them:
+    shared = torch.randn(10, 8).bfloat16()  # two Parameters over one tensor
+    loaded[0].weight, loaded[1].weight = (nn.Parameter(shared, requires_grad=False) for _ in range(2))
+    assert loaded[0].weight is not loaded[1].weight
+    assert hold_bf16(loaded) == 0
+    assert loaded[1].weight is loaded[0].weight and loaded[0].weight.dtype == torch.float32
 
 
 def test_a_float32_reranker_on_a_bf16_checkpoint_equals_transformers(kernel, tmp_path):

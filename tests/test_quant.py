@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ember.engine.build as build_mod
-from checkpoints import build_qwen3
+from checkpoints import build_bert, build_qwen3
 from corpus import DOCUMENTS, QUERIES, SENTENCES
 from ember import Embedder
 from ember.config import ModelConfig, NativeConfig
@@ -309,9 +309,18 @@ def test_float32_int8_is_quantised_straight_from_the_checkpoints_bf16_matrices(t
     path = build_qwen3(tmp_path / "m", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16")
     config = ModelConfig(str(path), dtype="float32", quantization="int8", calibration="none")
     assert build_mod._int8_from_checkpoint(config, plan(config), NativeConfig())
+    quantised_from: list[set[torch.dtype]] = []  # the matrices' dtypes as quantisation meets them
+    real = build_mod._quantize
+
+    def spy(net, *args, **kwargs):
+        quantised_from.append({m.weight.dtype for m in net.modules() if type(m) is torch.nn.Linear})
+        return real(net, *args, **kwargs)
+
+    monkeypatch.setattr(build_mod, "_quantize", spy)
     direct = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
     monkeypatch.setattr(build_mod, "_int8_from_checkpoint", lambda *a: False)
     widened = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
+    assert quantised_from == [{torch.bfloat16}, {torch.float32}]
     models = [e._loaded.runner.model for e in (direct, widened)]
     assert all(p.dtype == torch.float32 for p in models[0].parameters())
     assert all(b.dtype != torch.bfloat16 for b in models[0].buffers())
@@ -323,6 +332,18 @@ def test_float32_int8_is_quantised_straight_from_the_checkpoints_bf16_matrices(t
     assert (direct.embed(texts).vectors * widened.embed(texts).vectors).sum(1).min() >= 0.999999
     gptq = ModelConfig(str(path), dtype="float32", quantization="int8")  # a first start calibrates in float32
     assert not build_mod._int8_from_checkpoint(gptq, plan(gptq), NativeConfig(cache_dir=str(tmp_path / "empty")))
+
+
+def test_a_bf16_bert_in_float32_int8_widens_the_layers_it_does_not_quantise(tmp_path):
+    """BERT-family models quantise only their feed-forward layers: quantised straight from the bf16 checkpoint,
+    the attention projections, embeddings and norms then float32, close to float32's vectors."""
+    path = build_bert(tmp_path / "bert", dtype="bfloat16", hidden=64, intermediate=128)
+    q8 = Embedder(str(path), dtype="float32", quantization="int8", calibration="none")
+    model = q8._loaded.runner.model
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 2
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ref = Embedder(str(path), dtype="float32").embed(SENTENCES[:8]).vectors
+    assert (ref * q8.embed(SENTENCES[:8]).vectors).sum(1).min() >= 0.99
 
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")

@@ -170,10 +170,16 @@ def _named(
 
 
 def _quantize(
-    net: Architecture, p: ModelPlan, tokenizer: Tokenizer, calibration: str | None, native: NativeConfig
+    net: Architecture,
+    p: ModelPlan,
+    tokenizer: Tokenizer,
+    calibration: str | None,
+    native: NativeConfig,
+    forward: bool = True,
 ) -> None:
     """The model's int8 layers, rounded against the calibration text (GPTQ) unless it is `none`: the first time
-    for a model and text by a float forward over it, then from the cache."""
+    for a model and text by a float forward over it, then from the cache. Without `forward` (its matrices left as
+    the checkpoint's bf16), a layer the cache does not have is rounded plainly rather than calibrated."""
     texts = calibration_texts(calibration)
     if texts is None:
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
@@ -181,7 +187,7 @@ def _quantize(
     cache = Int8Cache(cache_dir(native), p.path, p.dtype, texts)
     start, hit = time.perf_counter(), cache.complete
     run = None
-    if not hit:
+    if not hit and forward:
         run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len)
         log.info(
             "int8: rounding the weights against %d tokens of calibration text (GPTQ), once: cached in %s",
@@ -246,7 +252,7 @@ def load(
     net = _load_weights(p, keep_bf16=p.holds_bf16 or direct, strips=p.strips, hold=not direct)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
-        _quantize(net, p, tokenizer, config.calibration, native)
+        _quantize(net, p, tokenizer, config.calibration, native, forward=not direct)
         if direct:
             widen_bf16(net)  # what was not quantised
         _say_int8_path(native)

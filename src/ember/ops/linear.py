@@ -336,7 +336,9 @@ def hold_bf16(model: nn.Module, strips: bool = False) -> int:
 
 def widen_bf16(model: nn.Module) -> None:
     """Every bf16 parameter and buffer of `model` to float32, except the weights Bf16Linear and StripLinear hold."""
-    widened: dict[int, torch.Tensor] = {}  # by the bf16 tensor's id: a tied matrix (SPLADE's decoder) stays one
+    # by the bf16 tensor's memory, not its Python object: a tied matrix (SPLADE's decoder) stays one, though loading
+    # with assign=True gives each module its own Parameter over the shared tensor
+    widened: dict[tuple[Any, ...], torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, Bf16Linear | StripLinear):
             continue
@@ -344,11 +346,12 @@ def widen_bf16(model: nn.Module) -> None:
         for table in tables:
             for key, t in table.items():
                 if t is not None and t.dtype == torch.bfloat16:
-                    if id(t) not in widened:
+                    same = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+                    if same not in widened:
                         wide = t.detach().float()
                         param = isinstance(t, nn.Parameter)
-                        widened[id(t)] = nn.Parameter(wide, requires_grad=False) if param else wide
-                    table[key] = widened[id(t)]
+                        widened[same] = nn.Parameter(wide, requires_grad=False) if param else wide
+                    table[key] = widened[same]
 
 
 def release_bf16(model: nn.Module) -> int:
