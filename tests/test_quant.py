@@ -308,7 +308,7 @@ def test_float32_int8_is_quantised_straight_from_the_checkpoints_bf16_matrices(t
     every other tensor float32."""
     path = build_qwen3(tmp_path / "m", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16")
     config = ModelConfig(str(path), dtype="float32", quantization="int8", calibration="none")
-    assert build_mod._int8_from_checkpoint(config, plan(config), NativeConfig())
+    assert build_mod._int8_from_checkpoint(config, plan(config))
     quantised_from: list[set[torch.dtype]] = []  # the matrices' dtypes as quantisation meets them
     real = build_mod._quantize
 
@@ -330,8 +330,19 @@ def test_float32_int8_is_quantised_straight_from_the_checkpoints_bf16_matrices(t
         assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale)
     texts = SENTENCES[:8]
     assert (direct.embed(texts).vectors * widened.embed(texts).vectors).sum(1).min() >= 0.999999
-    gptq = ModelConfig(str(path), dtype="float32", quantization="int8")  # a first start calibrates in float32
-    assert not build_mod._int8_from_checkpoint(gptq, plan(gptq), NativeConfig(cache_dir=str(tmp_path / "empty")))
+    # a first, calibrating start: each matrix widened only as its layer runs, the same GPTQ rounding as through a
+    # float32 model
+    calibrated = []
+    for direct_load in (True, False):
+        monkeypatch.setattr(build_mod, "_int8_from_checkpoint", lambda *a, d=direct_load: d)
+        native = NativeConfig(cache_dir=str(tmp_path / f"cache-{direct_load}"))  # each start calibrates
+        e = Embedder(str(path), dtype="float32", quantization="int8", native=native)
+        calibrated.append([m for m in e._loaded.runner.model.modules() if isinstance(m, Int8Linear)])
+        assert all(p.dtype == torch.float32 for p in e._loaded.runner.model.parameters())
+    assert quantised_from[-2:] == [{torch.bfloat16}, {torch.float32}]
+    for a, b in zip(*calibrated, strict=True):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale)
+    assert any(not torch.equal(a.qweight, b.qweight) for a, b in zip(calibrated[0], layers[0], strict=True))
 
 
 def test_a_bf16_bert_in_float32_int8_widens_the_layers_it_does_not_quantise(tmp_path):

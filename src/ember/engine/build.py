@@ -170,16 +170,10 @@ def _named(
 
 
 def _quantize(
-    net: Architecture,
-    p: ModelPlan,
-    tokenizer: Tokenizer,
-    calibration: str | None,
-    native: NativeConfig,
-    forward: bool = True,
+    net: Architecture, p: ModelPlan, tokenizer: Tokenizer, calibration: str | None, native: NativeConfig
 ) -> None:
     """The model's int8 layers, rounded against the calibration text (GPTQ) unless it is `none`: the first time
-    for a model and text by a float forward over it, then from the cache. Without `forward` (its matrices left as
-    the checkpoint's bf16), a layer the cache does not have is rounded plainly rather than calibrated."""
+    for a model and text by a float forward over it, then from the cache."""
     texts = calibration_texts(calibration)
     if texts is None:
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
@@ -187,8 +181,8 @@ def _quantize(
     cache = Int8Cache(cache_dir(native), p.path, p.dtype, texts)
     start, hit = time.perf_counter(), cache.complete
     run = None
-    if not hit and forward:
-        run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len)
+    if not hit:
+        run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len, widen=p.dtype == torch.float32)
         log.info(
             "int8: rounding the weights against %d tokens of calibration text (GPTQ), once: cached in %s",
             tokens,
@@ -248,11 +242,11 @@ def load(
     # decoders pooled on the last token end each input with EOS; a reranker's prompt ends as it is
     tokenizer = Tokenizer.from_dir(p.path, p.hf_config, ensure_eos=p.pooling.method == "LAST" and not score)
     p = replace(p, hf_config=p.cls.with_tokenizer(p.hf_config, tokenizer))
-    direct = _int8_from_checkpoint(config, p, native)
+    direct = _int8_from_checkpoint(config, p)
     net = _load_weights(p, keep_bf16=p.holds_bf16 or direct, strips=p.strips, hold=not direct)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
-        _quantize(net, p, tokenizer, config.calibration, native, forward=not direct)
+        _quantize(net, p, tokenizer, config.calibration, native)
         if direct:
             widen_bf16(net)  # what was not quantised
         _say_int8_path(native)
@@ -299,14 +293,11 @@ def _holds_bf16(dtype: torch.dtype, config: ModelConfig, native: NativeConfig, s
     return dtype == torch.float32 and not config.quantization and held
 
 
-def _int8_from_checkpoint(config: ModelConfig, p: ModelPlan, native: NativeConfig) -> bool:
+def _int8_from_checkpoint(config: ModelConfig, p: ModelPlan) -> bool:
     """Whether a float32 model's int8 layers are quantised straight from its checkpoint's bf16 matrices, without
-    widening the model to float32 first (start-up then peaks near the int8 model's size, not float32's): where no
-    float forward is needed, i.e. without calibration or with the calibrated weights already cached."""
-    if config.quantization != "int8" or p.dtype != torch.float32:
-        return False
-    texts = calibration_texts(config.calibration)
-    return texts is None or Int8Cache(cache_dir(native), p.path, p.dtype, texts).complete
+    widening the model to float32 first (start-up then peaks near the int8 model's size, not float32's; a
+    calibrating forward widens each matrix only as its layer runs: ember.engine.calibration)."""
+    return config.quantization == "int8" and p.dtype == torch.float32
 
 
 def _load_weights(p: ModelPlan, keep_bf16: bool = False, strips: bool = False, hold: bool = True) -> Architecture:

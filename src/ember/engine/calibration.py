@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ember.errors import ConfigError
 from ember.ops.gptq import MAX_INPUTS
+from ember.ops.linear import widen_bf16
 from ember.ops.quant import Int8Weights
 from ember.ops.rotation import BLOCK
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -51,10 +52,11 @@ def calibration_texts(source: str | None) -> list[str] | None:
 
 
 def calibration_forward(
-    model: torch.nn.Module, tokenizer: Tokenizer, texts: list[str], max_len: int
+    model: torch.nn.Module, tokenizer: Tokenizer, texts: list[str], max_len: int, widen: bool = False
 ) -> tuple[Callable[[], None], int]:
     """A function that runs `model` once over the texts, packed into one batch of at most a token slice (so each
-    layer meets them all in one call), and the batch's token count."""
+    layer meets them all in one call), and the batch's token count. `widen`: a float32 model loaded with its
+    checkpoint's bf16 matrices (ember.engine.build, for int8), widened for this forward as it goes."""
     seqs: list[list[int]] = []
     total = 0
     for ids in tokenizer.encode_batch(texts):
@@ -69,9 +71,28 @@ def calibration_forward(
     def run() -> None:
         input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lens])
-        model(input_ids, positions, lens, None)
+        # a float32 model loaded with its checkpoint's bf16 matrices (ember.engine.build, for int8): the rest
+        # widened now, each matrix only as its layer is called (then quantised and freed), so the model is never
+        # whole in float32
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        held = [m for m in linears if m.weight.dtype == torch.bfloat16] if widen else []
+        if widen:
+            widen_bf16(model, keep=held)
+        hooks = [m.register_forward_pre_hook(_widen_weight) for m in held]
+        try:
+            model(input_ids, positions, lens, None)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     return run, total
+
+
+def _widen_weight(linear: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    """A forward pre-hook: the layer's bf16 weight to float32, for the float forward that calibrates int8."""
+    assert isinstance(linear, torch.nn.Linear)
+    if linear.weight.dtype == torch.bfloat16:
+        linear.weight = torch.nn.Parameter(linear.weight.detach().float(), requires_grad=False)
 
 
 class Int8Cache:

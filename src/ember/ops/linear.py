@@ -18,7 +18,7 @@ on bulk batches on AVX-512).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -334,13 +334,14 @@ def hold_bf16(model: nn.Module, strips: bool = False) -> int:
     return held
 
 
-def widen_bf16(model: nn.Module) -> None:
-    """Every bf16 parameter and buffer of `model` to float32, except the weights Bf16Linear and StripLinear hold."""
+def widen_bf16(model: nn.Module, keep: Collection[nn.Module] = ()) -> None:
+    """Every bf16 parameter and buffer of `model` to float32, except the weights Bf16Linear and StripLinear hold and
+    those of the modules in `keep`."""
     # by the bf16 tensor's memory, not its Python object: a tied matrix (SPLADE's decoder) stays one, though loading
     # with assign=True gives each module its own Parameter over the shared tensor
     widened: dict[tuple[Any, ...], torch.Tensor] = {}
     for module in model.modules():
-        if isinstance(module, Bf16Linear | StripLinear):
+        if isinstance(module, Bf16Linear | StripLinear) or module in keep:
             continue
         tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for table in tables:
