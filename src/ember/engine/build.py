@@ -170,10 +170,16 @@ def _named(
 
 
 def _quantize(
-    net: Architecture, p: ModelPlan, tokenizer: Tokenizer, calibration: str | None, native: NativeConfig
+    net: Architecture,
+    p: ModelPlan,
+    tokenizer: Tokenizer,
+    calibration: str | None,
+    native: NativeConfig,
+    from_bf16: bool = False,
 ) -> None:
     """The model's int8 layers, rounded against the calibration text (GPTQ) unless it is `none`: the first time
-    for a model and text by a float forward over it, then from the cache."""
+    for a model and text by a float forward over it, then from the cache. `from_bf16`: the float32 model's matrices
+    are still the checkpoint's bf16 (_int8_from_checkpoint), widened by that forward as it goes."""
     texts = calibration_texts(calibration)
     if texts is None:
         quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
@@ -182,7 +188,7 @@ def _quantize(
     start, hit = time.perf_counter(), cache.complete
     run = None
     if not hit:
-        run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len, widen=p.dtype == torch.float32)
+        run, tokens = calibration_forward(net, tokenizer, texts, p.max_model_len, widen=from_bf16)
         log.info(
             "int8: rounding the weights against %d tokens of calibration text (GPTQ), once: cached in %s",
             tokens,
@@ -246,7 +252,7 @@ def load(
     net = _load_weights(p, keep_bf16=p.holds_bf16 or direct, strips=p.strips, hold=not direct)
     release_mapped_pages(p.path)  # the pages of tensors the model copied (cast, merged) are dead
     if config.quantization == "int8":
-        _quantize(net, p, tokenizer, config.calibration, native)
+        _quantize(net, p, tokenizer, config.calibration, native, from_bf16=direct)
         if direct:
             widen_bf16(net)  # what was not quantised
         _say_int8_path(native)

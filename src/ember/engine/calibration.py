@@ -74,9 +74,9 @@ def calibration_forward(
         # a float32 model loaded with its checkpoint's bf16 matrices (ember.engine.build, for int8): the rest
         # widened now, each matrix only as its layer is called (then quantised and freed), so the model is never
         # whole in float32
-        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-        held = [m for m in linears if m.weight.dtype == torch.bfloat16] if widen else []
+        held = []
         if widen:
+            held = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
             widen_bf16(model, keep=held)
         hooks = [m.register_forward_pre_hook(_widen_weight) for m in held]
         try:

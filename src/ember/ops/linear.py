@@ -140,7 +140,11 @@ def strip_f32() -> bool:
 
 def strip_width() -> int:
     """Output channels per strip of ember's float32 product here: two registers of channels, as csrc/linear_f32.cpp is
-    built for this CPU (32 where it targets AVX-512, 16 on AVX2 and NEON)."""
+    built for this CPU (32 where it targets AVX-512, 16 on AVX2 and NEON); once loaded, what the library says (a
+    prebuilt AVX2 library on an AVX-512 CPU takes 16)."""
+    lib = linear_f32_kernel()
+    if lib is not None:
+        return int(lib.ember_linear_f32_strip())
     return 32 if "avx512f" in cpu_flags() else 16
 
 

@@ -355,10 +355,8 @@ def use_native_int8(model: nn.Module, tiles: bool = True, strips: bool = True) -
 
 
 def _use_int8_strips(model: nn.Module) -> int:
-    """use_native_int8's move onto the float32 product's int8 strips (layers on torch._int_mm's float fallback), in
-    the width the loaded library was built for (a prebuilt AVX2 library on an AVX-512 CPU takes 16)."""
-    lib = linear_f32_kernel()
-    width = int(lib.ember_linear_f32_strip()) if lib is not None else strip_width()
+    """use_native_int8's move onto the float32 product's int8 strips (layers on torch._int_mm's float fallback)."""
+    width = strip_width()  # the loaded library's
     moved = 0
     for layer in model.modules():
         if not isinstance(layer, Int8Linear) or layer.out_features % width:
