@@ -235,3 +235,39 @@ def test_kernels_are_not_compiled_unless_asked_but_native_ones_still_load(runner
     assert not runner.compiled.is_set()
     assert kernels["fused"].detail == "off (--enforce-eager)" and not kernels["fused"].active
     assert "attention" in kernels  # --enforce-eager governs torch.compile only
+
+
+def test_serve_start_up_runs_no_torch_work_on_the_main_thread(tmp_path, monkeypatch):
+    """OpenMP keeps a pool of workers for every thread that ran parallel work, and the main thread lives as long as
+    the server: one tiny product there at start-up left a second pool, and with more pooled workers than CPUs the
+    model thread's worker slept between kernels instead of spinning (a served query took longer than the same
+    forward in-process). Planning and loading run on a thread that ends with them: no torch operator may run on
+    the main thread while `ember serve` starts. The CPU is taken to be an AMD one, whose plan checks oneDNN's
+    float32 product on a tiny matrix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from checkpoints.builders import build_bert
+    from ember.cli import serve
+    from ember.cli.main import build_parser
+    from ember.ops import linear
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    build_bert(tmp_path / "m")
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    linear.onednn_f32.cache_clear()
+    args = build_parser().parse_args(["serve", str(tmp_path / "m"), "--dtype", "float32", "--enforce-eager"])
+    try:
+        with Record() as main_thread:
+            models = serve._models(args, threads=2)
+    finally:
+        linear.onednn_f32.cache_clear()  # the next test sees its own CPU again
+    assert len(models) == 1 and models[0].names == (str(tmp_path / "m"),)
+    assert main_thread.ops == []
