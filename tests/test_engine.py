@@ -244,28 +244,19 @@ def test_serve_start_up_runs_no_torch_work_on_the_main_thread(tmp_path, monkeypa
     forward in-process). Planning and loading run on a thread that ends with them: no torch operator may run on
     the main thread while `ember serve` starts. The CPU is taken to be an AMD one, whose plan checks oneDNN's
     float32 product on a tiny matrix."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from checkpoints.builders import build_bert
     from ember.cli import serve
     from ember.cli.main import build_parser
     from ember.ops import linear
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from torch_ops import ThreadOps
 
     build_bert(tmp_path / "m")
     monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
     linear.onednn_f32.cache_clear()
     args = build_parser().parse_args(["serve", str(tmp_path / "m"), "--dtype", "float32", "--enforce-eager"])
     try:
-        with Record() as main_thread:
+        with ThreadOps() as main_thread:
             models = serve._models(args, threads=2)
     finally:
         linear.onednn_f32.cache_clear()  # the next test sees its own CPU again

@@ -17,6 +17,7 @@ from corpus import SENTENCES
 from ember import Embedder
 from ember.errors import ConfigError
 from ember.hardware import isa_tier, native_cpu_flags
+from torch_ops import ThreadOps
 
 ray = pytest.importorskip("ray")
 
@@ -195,3 +196,14 @@ def test_ray_taking_an_input_as_its_address_is_named(model, tmp_path):
            str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "out"), "--id-column", "doc"]  # fmt: skip
     done = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--ray took" in done.stderr
+
+
+def test_an_actor_runs_its_model_on_one_thread_of_its_own(model):
+    """Ray runs an actor's __init__ and __call__ on different threads, and OpenMP keeps a pool of workers for every
+    thread that ran parallel work: with two pools the workers sleep between kernels. Loading and embedding both run
+    on the actor's own model thread, so no torch operator runs on the thread that builds or calls it."""
+    with ThreadOps() as caller:
+        embedder = EmberEmbedder(str(model), dtype="float32", enforce_eager=True)
+        out = embedder(pa.table({"text": ["one text", "another"]}))
+    assert caller.ops == []
+    assert out.column("embedding").type.list_size == embedder.dimension and out.num_rows == 2

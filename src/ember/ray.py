@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,14 @@ class EmberEmbedder:
             limit_isa(check_tier(max_isa))  # this node's CPU may be below the driver's: refused, never SIGILL
         self.text_column, self.output_column = text_column, output_column
         self.threads = threads or _assigned_cpus()
-        self.embedder = Embedder(model, threads=self.threads, **embedder_options)
+        # All of the actor's model work runs on one thread of its own. OpenMP keeps a pool of workers for every
+        # thread that ran parallel work, and Ray runs __init__ and __call__ on different threads: with two pools
+        # (more pooled workers than CPUs) the workers sleep between kernels instead of spinning.
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
+        self.embedder = self._model_thread.submit(Embedder, model, threads=self.threads, **embedder_options).result()
         self._embed = local(self.embedder, dimensions=dimensions, normalize=normalize, prompt_name=prompt_name)
-        self.dimension = self._embed(["width"]).vectors.shape[1]  # as the options make it, for blocks all dropped
+        width = self._model_thread.submit(self._embed, ["width"]).result()
+        self.dimension = width.vectors.shape[1]  # as the options make it, for blocks all dropped
         self.skipped: Counter[str] = Counter()
 
     def info(self) -> dict[str, Any]:
@@ -95,6 +101,9 @@ class EmberEmbedder:
         return {"model": info.name, "dimension": info.dimension, "threads": self.threads, "isa": isa_tier()}
 
     def __call__(self, batch: Any) -> Any:
+        return self._model_thread.submit(self._call, batch).result()
+
+    def _call(self, batch: Any) -> Any:
         if isinstance(batch, pa.Table):
             return self._arrow(batch)
         if isinstance(batch, dict):
