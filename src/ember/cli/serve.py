@@ -191,8 +191,8 @@ def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
     native = native_config()
     # Planning and loading run on a thread that ends with them, taking along the pool of workers OpenMP keeps for
     # each thread that ran parallel work: only the model thread may keep one (see AsyncEngine.start). The plan
-    # runs tiny products too (which float32 product this CPU takes); on the main thread their pool outlived
-    # start-up, and a served query on AMD took 1.3-1.6x its time in-process.
+    # runs tiny products too (which float32 product this CPU takes): on the main thread, their pool would outlive
+    # start-up and slow every forward (benchmarks/NOTES.md, "One OpenMP pool").
     with ThreadPoolExecutor(1, thread_name_prefix="ember-load") as loader:
         plans = loader.submit(plan_models, [config for config, _, _ in wanted], native=native).result()
         loaded = [loader.submit(load, p.config, native, planned=p).result() for p in plans]
