@@ -210,13 +210,15 @@ def _quantize(
 
 def _say_int8_path(native: NativeConfig) -> None:
     """On CPUs without int8 matrix instructions, which way the int8 layers multiply (docs/performance.md)."""
-    if not int_mm_fast() and may_build("linear_f32", native):
+    if int_mm_fast():
+        return
+    if may_build("linear_f32", native):
         log.info(
             "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), so int8 layers multiply "
             "their int8 values in float32, on ember's float32 product: a quarter of float32's weight memory at "
             "about its speed (docs/performance.md)"
         )
-    elif not int_mm_fast():
+    else:
         log.warning(
             "--quantization int8: this CPU has no int8 matrix instructions (VNNI or AMX), and ember's float32 "
             "product cannot be built here, so int8 layers convert their weights to float32 on every call: the "

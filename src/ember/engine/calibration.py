@@ -71,9 +71,8 @@ def calibration_forward(
     def run() -> None:
         input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lens])
-        # a float32 model loaded with its checkpoint's bf16 matrices (ember.engine.build, for int8): the rest
-        # widened now, each matrix only as its layer is called (then quantised and freed), so the model is never
-        # whole in float32
+        # with `widen`, the rest now and each matrix only as its layer is called (then quantised and freed), so
+        # the model is never whole in float32
         held = []
         if widen:
             held = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
