@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import build_qwen3
 from checkpoints.families import build_decoder
 from corpus import SENTENCES
 from ember import Embedder
@@ -105,3 +106,37 @@ def test_the_compiled_fused_kernels_match_eager(tmp_path):
     eager = Embedder(str(path), dtype="bfloat16", enforce_eager=True).embed(TEXTS).vectors
     fused = Embedder(str(path), dtype="bfloat16")
     assert cos(fused.embed(TEXTS).vectors, eager).min() >= 0.9999
+
+
+@pytest.mark.parametrize("dtype,floor", [("float32", 0.99999), ("bfloat16", 0.999)])
+def test_the_last_layer_runs_its_mlp_on_each_sequences_last_token_alone(tmp_path, dtype, floor):
+    """Pooled on the last token, a batch takes only each sequence's last row through the final layer's output
+    projection and MLP, and gives what the whole last layer gives; with shared prefixes too."""
+    path = build_qwen3(tmp_path / "q", layers=3, seed=8)
+    emb = Embedder(str(path), dtype=dtype, enforce_eager=True)
+    runner = emb._loaded.runner
+    assert runner.last_rows
+    instruct = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+    batch = [emb.tokenizer.encode(t) for t in TEXTS[:4]]
+    batch += [emb.tokenizer.encode(instruct + t) for t in TEXTS[4:7]]  # an instruction shared by three
+    rows = {}
+    hooks = [
+        runner.model.layers[i].mlp.down_proj.register_forward_hook(
+            lambda _m, args, _o, i=i: rows.setdefault(i, []).append(args[0].shape[0])
+        )
+        for i in (0, 2)
+    ]
+    try:
+        for share in (False, True):
+            runner.share_prefixes = share
+            rows.clear()
+            runner.last_rows = True
+            some = runner.run(batch)
+            assert rows[2] == [len(batch)]  # one row per sequence through the last layer's MLP
+            assert rows[0][0] > 4 * len(batch)  # every token through the others
+            runner.last_rows = False
+            every = runner.run(batch)
+            assert cos(some, every).min() >= floor
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -6,6 +6,8 @@ injected, so everything above it can be tested with a fake runner.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -36,6 +38,9 @@ class TorchRunner:
         self.share_prefixes = model.shares_prefixes and info.pooling.method == "LAST"
         """Whether sequences of a batch that start alike compute their common prefix once (ember.ops.prefix):
         causal models pooled on the last token."""
+        self.last_rows = model.selects_rows and head.reads_last
+        """Whether a batch wanting only pooled answers computes just each sequence's last row through the final
+        layer's output projection and MLP (Architecture.selects_rows)."""
 
     @torch.inference_mode()
     def run(
@@ -54,14 +59,21 @@ class TorchRunner:
         types = torch.from_numpy(_flat(token_types, total + filler)) if token_types and plan is None else None
         lens = [*seqlens, filler] if filler else seqlens
         positions = _positions(lens)  # (T,)
-        shared = {}
+        extra: dict[str, Any] = {}  # forward()'s optional arguments
         if plan is not None:  # a continuation's positions start after its prefix
             starts = torch.tensor([*plan.starts, 0][: len(lens)])
             positions += torch.repeat_interleave(starts, torch.tensor(lens))
-            shared["shared"] = prefix_layout(lens, [*plan.parents, -1][: len(lens)])
+            extra["shared"] = prefix_layout(lens, [*plan.parents, -1][: len(lens)])
+        owners = None if plan is None else plan.owners
+        if outputs is None and self.last_rows:  # the head reads each input's last state: compute those alone
+            ends = torch.tensor(seqlens).cumsum(0) - 1
+            extra["rows"] = ends if owners is None else ends[owners]  # (B,), in the batch's order
         with compiled(self.compiled):
-            hidden = self.model(input_ids, positions, lens, types, **shared)[:total]  # (T, H)
-        answers = self.head(hidden, seqlens, None if plan is None else plan.owners).numpy()  # (B, dimension)
+            hidden = self.model(input_ids, positions, lens, types, **extra)[:total]  # (T, H); (B, H) with rows
+        if "rows" in extra:
+            answers = self.head(hidden, [1] * len(batch)).numpy()  # (B, dimension)
+        else:
+            answers = self.head(hidden, seqlens, owners).numpy()
         if outputs is None:
             return answers
         return [

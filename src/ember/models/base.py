@@ -68,6 +68,13 @@ class Architecture(nn.Module, ABC):
         None: all 0): (T,); returns (T, hidden)."""
 
     @property
+    def selects_rows(self) -> bool:
+        """Whether forward() takes `rows=` ((R,) packed token indices) and returns only those rows' final states,
+        (R, hidden), sparing what the other rows' last layer would cost. Decoders pooled on the last token need one
+        row per sequence."""
+        return False
+
+    @property
     def shares_prefixes(self) -> bool:
         """Whether forward() takes `shared=` (ember.ops.prefix.PrefixLayout): sequences of a batch continuing a
         prefix held once in it. Only causal models can: their prefix tokens' states do not depend on what follows."""

@@ -46,6 +46,12 @@ class Head:
     def __init__(self, method: PoolingType, dimension: int) -> None:
         self.method, self.dimension = method, dimension
 
+    @property
+    def reads_last(self) -> bool:
+        """Whether its answer to task embed reads only each sequence's last hidden state (LAST pooling), so the
+        model may compute its final states for those rows alone (Architecture.selects_rows)."""
+        return self.method == "LAST"
+
     def pool(self, hidden: torch.Tensor, seqlens: list[int], owners: list[int] | None = None) -> torch.Tensor:
         """The pooled states (B, hidden) float32; with `owners`, one row per sequence of a batch whose sequences
         continued prefixes held once in it (row i is owners[i]'s)."""

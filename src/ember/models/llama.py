@@ -174,8 +174,12 @@ class Block(nn.Module):
         seqlens: list[int],
         cu: torch.Tensor,
         shared: PrefixLayout | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if x.shape[0] <= TOKEN_SLICE and _one_region(self) and shared is None:  # one region (bf16: see below)
+        """With `rows`, only those rows' outputs are wanted (the last layer of a model pooled on each sequence's last
+        token): every row's keys and values still feed attention, then the output projection and the MLP run on
+        `rows` alone, (len(rows), hidden)."""
+        if x.shape[0] <= TOKEN_SLICE and _one_region(self) and shared is None and rows is None:  # one region
             return self._layer(x, cos, sin, cu)
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
@@ -185,6 +189,8 @@ class Block(nn.Module):
         else:  # each continuation attends with its prefix's rows ahead of its own
             y = self.self_attn.attend(qkv.index_select(0, shared.gather), shared.seqlens).index_select(0, shared.keep)
         del qkv
+        if rows is not None:
+            x, y = x.index_select(0, rows), y.index_select(0, rows)
         return by_token_slices(self._out_mlp, x, y)
 
     # With int8 weights, and float32 ones on ember's float32 product, each layer (up to a slice of tokens; longer
@@ -240,6 +246,10 @@ class LlamaModel(Architecture):
     def max_positions(self) -> int:
         return self.args.max_position_embeddings
 
+    @property
+    def selects_rows(self) -> bool:
+        return True
+
     @staticmethod
     def checkpoint_key(name: str) -> str | None:
         """Our name for a checkpoint key; None for keys an embedding model does not use."""
@@ -254,12 +264,15 @@ class LlamaModel(Architecture):
         seqlens: list[int],
         token_types: torch.Tensor | None = None,
         shared: PrefixLayout | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,); returns hidden states (T, hidden). (No token types in these decoders.)
-        With `shared`, sequences continue shared prefixes held once in the batch (ember.ops.prefix)."""
+        """input_ids, positions: (T,); returns hidden states (T, hidden), or with `rows` those rows' alone, the last
+        layer's output projection and MLP computed for them only. (No token types in these decoders.) With
+        `shared`, sequences continue shared prefixes held once in the batch (ember.ops.prefix)."""
         x = self.embed_tokens(input_ids)  # (T, H)
         cos, sin = rope_cos_sin(positions, torch.tensor(self.args.inv_freq), x.dtype)
         cu = seq_offsets(seqlens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, seqlens, cu, shared)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, seqlens, cu, shared, rows if i == last else None)
         return self.norm(x)
