@@ -34,6 +34,13 @@ def kernel():
     return linear_kernel()
 
 
+@pytest.fixture(autouse=True)
+def bf16_linear_holds(monkeypatch):
+    """The models here hold their bf16 matrices as Bf16Linear, as where the float32 product's strips are not chosen
+    (AMD Zen 4/5); on an Intel CPU with AVX-512 they go to strips (tests/test_linear_f32.py)."""
+    monkeypatch.setattr(build_mod, "strip_f32", lambda: False)
+
+
 def _layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
     """A float32 layer whose weights are bf16 values, as loaded from a bf16 checkpoint."""
     torch.manual_seed(seed)

@@ -17,8 +17,17 @@ from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
-from ember.ops.linear import StripLinear, pack_bf16, pack_f32, release_strips, strip_width, unpack_bf16, unpack_f32
-from ember.ops.native import build_kernels, linear_f32_kernel
+from ember.ops.linear import (
+    STRIP_TALL,
+    StripLinear,
+    pack_bf16,
+    pack_f32,
+    release_strips,
+    strip_width,
+    unpack_bf16,
+    unpack_f32,
+)
+from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
 from parity import cos, st_reference
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]
@@ -122,14 +131,18 @@ def test_until_the_kernel_loads_the_layer_lays_its_weights_out_plainly(monkeypat
     torch.testing.assert_close(StripLinear(layer)(x), layer(x), atol=1e-6, rtol=1e-6)
 
 
-def test_released_to_onednns_layer_where_the_kernel_does_not_load():
+@pytest.mark.parametrize("amd", [True, False])
+def test_released_to_onednns_layer_where_the_kernel_does_not_load(monkeypatch, amd):
+    """Back to oneDNN's packed layer where it is the faster float32 product (AMD), else to a float32 nn.Linear."""
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: amd)
     model = nn.Sequential(_layer(64, 32), nn.ReLU(), _layer(32, 64, bias=False))
     x = torch.randn(5, 64)
     expected = model(x)
     for i in (0, 2):
         model[i] = StripLinear(model[i])
     assert release_strips(model) == 2
-    assert all(type(m) is linear_mod.PackedLinear for m in (model[0], model[2]))
+    kind = linear_mod.PackedLinear if amd else nn.Linear
+    assert all(type(m) is kind for m in (model[0], model[2]))
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
     layer = _layer(64, 32)
     widened = StripLinear(layer).widened()
@@ -191,3 +204,43 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())
     assert cos(embedder.embed(TEXTS)[0], ours).min() >= 0.99999
+
+
+@pytest.mark.parametrize(
+    ("vendor", "flags", "strips"),
+    [
+        ("GenuineIntel", {"avx2", "fma", "avx512f", "avx512bw"}, True),  # Skylake-SP to Granite Rapids
+        ("GenuineIntel", {"avx2", "fma"}, False),  # AVX2-only Xeons keep Bf16Linear's fallbacks (oneMKL)
+        ("AuthenticAMD", {"avx2", "fma"}, True),  # Zen 2/3
+        ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512bw"}, False),  # Zen 4/5: oneDNN until measured there
+    ],
+)
+def test_where_the_float32_product_takes_the_layers(monkeypatch, vendor, flags, strips):
+    monkeypatch.setattr(linear_mod, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear_mod, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: vendor == "AuthenticAMD")
+    assert linear_mod.strip_f32() is strips
+
+
+def test_bf16_words_above_the_tall_rows_run_the_widened_product(kernel, monkeypatch):
+    """On AVX-512 (32-channel strips, Bf16Linear's own layout) a taller batch runs Bf16Linear's product, the matrix
+    widened for oneMKL; below it the strips' own. Both equal float64's product, and a row alone its row in a batch."""
+    build_kernels(NativeConfig())
+    if strip_width() != 32 or linear_kernel() is None:
+        pytest.skip("the bf16-weight kernel (AVX-512) is not loaded here")
+    layer = _bf16_layer(256, 96)
+    held = StripLinear(layer)
+    called: list[int] = []
+    widened = torch.ops.ember.linear_bf16w
+
+    def spy(x, w, bias):
+        called.append(x.shape[0])
+        return widened(x, w, bias)
+
+    monkeypatch.setattr(torch.ops.ember, "linear_bf16w", spy, raising=False)
+    for rows in (STRIP_TALL, STRIP_TALL + 1, 2 * STRIP_TALL + 5):
+        x = torch.randn(rows, 256)
+        ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        y = held(x)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert called == [STRIP_TALL + 1, 2 * STRIP_TALL + 5]

@@ -29,6 +29,7 @@ def amx_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(hardware, "native_cpu_flags", lambda: AMX)
     monkeypatch.setattr(native, "native_cpu_flags", lambda: AMX)
     monkeypatch.setattr(hardware, "amx_granted", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: "GenuineIntel")
     for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.setenv(var, "")  # so that what cap_isa sets is undone afterwards
         monkeypatch.delenv(var)
@@ -54,11 +55,27 @@ def test_the_tier_of_a_cpu(flags: frozenset[str], tier: str) -> None:
     assert hardware.isa_tier(flags) == tier
 
 
+@pytest.mark.parametrize(
+    ("flags", "vendor", "dtype"),
+    [
+        (AMX, "GenuineIntel", "bfloat16"),  # Sapphire Rapids and later, AMX granted
+        (AMX - hardware.AMX_FLAGS, "GenuineIntel", "float32"),  # the same Xeon with AMX withheld; Cooper Lake
+        (AMX - hardware.AMX_FLAGS, "AuthenticAMD", "bfloat16"),  # EPYC Zen 4/5
+        (AMX - hardware.AMX_FLAGS - {"avx512_bf16"}, "AuthenticAMD", "float32"),
+        (frozenset({"avx2", "fma"}), "AuthenticAMD", "float32"),  # Zen 2/3
+        (frozenset({"fp", "asimd", "bf16"}), "", "float32"),  # Graviton 3
+    ],
+)
+def test_auto_dtype_is_bf16_where_bf16_products_outrun_float32_ones(flags, vendor, dtype) -> None:
+    assert hardware.auto_dtype(flags, vendor) == dtype
+
+
 def test_a_cap_hides_the_flags_above_its_tier(amx_cpu: None) -> None:
     assert hardware.isa_tier() == "amx" and native._march() == ["-march=native"]
     runtime.cap_isa("avx512_bf16")
     assert hardware.isa_tier() == "avx512_bf16" and not {"amx_tile", "amx_bf16"} & hardware.cpu_flags()
-    assert hardware.auto_dtype() == "bfloat16"
+    # an Intel CPU of this tier runs bf16 products at half its float32 rate; an AMD one (Zen 4/5) at twice
+    assert hardware.auto_dtype() == "float32" and hardware.auto_dtype(vendor="AuthenticAMD") == "bfloat16"
     assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16" and os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
     assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX512_E3"  # torch's float32 GEMMs: MKL's, without AMX
@@ -135,7 +152,7 @@ def test_where_the_os_refuses_amx_tiles_the_process_is_an_avx512_bf16_cpu(amx_cp
     for module in (hardware, doctor):
         monkeypatch.setattr(module, "amx_granted", lambda: False)
     assert hardware.isa_tier() == "avx512_bf16" and not hardware.AMX_FLAGS & hardware.cpu_flags()
-    assert hardware.auto_dtype() == "bfloat16"
+    assert hardware.auto_dtype() == "float32"  # without its AMX, a Xeon's bf16 products run at half float32's rate
     assert native._runnable_tiers() == ["avx512_bf16", "avx512", "avx2"]
     assert native._march() == ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
     assert "the OS refuses this process its tile state" in doctor._tier_note(hardware.cpu_flags())
@@ -176,14 +193,14 @@ def test_the_avx512_tier_kernels_match_the_reference(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "cannot run" not in done.stdout and "AVX-512 only" not in done.stdout
     built = {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so")}
-    assert built == {"ember_attention", "ember_linear"}
+    assert built == {"ember_attention", "ember_linear", "ember_linear_f32"}  # the float32 product builds from AVX2 up
 
 
 @pytest.mark.skipif(hardware.isa_tier(hardware.native_cpu_flags()) not in ("amx", "avx512_bf16", "avx512"),
                     reason="the CPU is AVX2 already: the plain run checks this tier")  # fmt: skip
 def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
     """As an AVX2-only Xeon: float32 by default, torch's AVX2 kernels, and of ember's kernels only attention (its
-    float32 build, checked against float64 attention); the models still match transformers / sentence-transformers
+    float32 build, checked against float64 attention) and the float32 product; the models still match transformers / sentence-transformers
     and a text alone equals it inside a batch."""
     tests = ("tests/test_native.py", "tests/test_models.py", "tests/test_minilm_real.py")
     done = _suite("avx2", *tests, tmp_path=tmp_path)
@@ -191,7 +208,7 @@ def test_the_avx2_tier_matches_the_reference(tmp_path: Path) -> None:
     assert " passed" in done.stdout
     assert "native attention kernel cannot run" not in done.stdout  # its float32 tests ran
     built = {p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so")}
-    assert built == {"ember_attention"}
+    assert built == {"ember_attention", "ember_linear_f32"}
 
 
 def _intel() -> bool:

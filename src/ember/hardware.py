@@ -21,6 +21,7 @@ __all__ = [
     "ISA_TIERS",
     "amx_granted",
     "auto_dtype",
+    "bf16_outruns_float32",
     "check_tier",
     "cpu_flags",
     "cpu_model",
@@ -172,10 +173,21 @@ def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & (cpu_flags() if flags is None else flags))
 
 
-def auto_dtype(flags: frozenset[str] | None = None) -> Literal["bfloat16", "float32"]:
-    """What `--dtype auto` means here, from the CPU flags alone, so the same machine always gives the same
-    vectors: bfloat16 where the CPU has bf16 matrix instructions, else float32."""
-    return "bfloat16" if has_fast_bf16(flags) else "float32"
+def bf16_outruns_float32(flags: frozenset[str] | None = None, vendor: str | None = None) -> bool:
+    """Whether bf16 products outrun float32 ones here: with AMX-BF16, and with AVX512_BF16 on AMD (Zen 4 and 5, whose
+    vdpbf16ps does twice the multiply-adds of a float32 FMA). An Intel Xeon without AMX, or whose AMX a hypervisor
+    or the OS withholds (Cooper Lake; Sapphire, Emerald and Granite Rapids in such a VM), issues vdpbf16ps at half
+    the rate of its float32 FMAs: there bf16 products run at half float32's speed (benchmarks/NOTES.md)."""
+    f = cpu_flags() if flags is None else flags
+    if "amx_bf16" in f:
+        return True
+    return "avx512_bf16" in f and (cpu_vendor() if vendor is None else vendor) != "GenuineIntel"
+
+
+def auto_dtype(flags: frozenset[str] | None = None, vendor: str | None = None) -> Literal["bfloat16", "float32"]:
+    """What `--dtype auto` means here, from the CPU alone (its flags and vendor), so the same machine always gives
+    the same vectors: bfloat16 where its bf16 products outrun float32 ones (bf16_outruns_float32), else float32."""
+    return "bfloat16" if bf16_outruns_float32(flags, vendor) else "float32"
 
 
 def find_compiler(preferred: str | None = None) -> str | None:

@@ -30,6 +30,7 @@ from ember.ops.native import linear_f32_kernel, linear_kernel
 
 __all__ = [
     "ACTIVATIONS",
+    "STRIP_TALL",
     "Bf16Linear",
     "PackedLinear",
     "StripLinear",
@@ -133,9 +134,19 @@ def linear_act(linear: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
 
 def strip_f32() -> bool:
     """Whether float32 layers are laid out for ember's float32 product (StripLinear) here, where the kernel builds:
-    on AMD CPUs without AVX-512 (Zen 2 and 3), where it was measured against oneDNN's packed matmul; Zen 4 and 5
-    (AVX-512) keep oneDNN until it is measured there."""
+    on AMD CPUs without AVX-512 (Zen 2 and 3), where it was measured against oneDNN's packed matmul, and a bf16
+    checkpoint's matrices on Intel CPUs with AVX-512, where it was measured against Bf16Linear (twice as fast at a
+    query's rows, level at 512; above STRIP_TALL rows those layers widen for oneMKL as Bf16Linear does). Zen 4 and 5
+    (AVX-512) keep oneDNN until it is measured there. (On Intel, float32 checkpoints' layers stay on oneMKL:
+    pack_linears packs float32 layers only where onednn_f32.)"""
+    if cpu_vendor() == "GenuineIntel":
+        return "avx512f" in cpu_flags()
     return onednn_f32() and "avx512f" not in cpu_flags()
+
+
+STRIP_TALL = 512
+"""Rows above which a StripLinear on bf16 words in 32-channel strips (the AVX-512 build) runs Bf16Linear's product
+(the matrix widened into a float32 buffer for oneMKL), where the bf16-weight kernel loaded: the same words."""
 
 
 def strip_width() -> int:
@@ -162,10 +173,10 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False) -> 
 
 
 def release_strips(model: nn.Module) -> int:
-    """Every StripLinear of `model` back to oneDNN's packed layer (where the float32 kernel did not load); returns
-    how many."""
+    """Every StripLinear of `model` back to oneDNN's packed layer where it is the faster float32 product (AMD), else
+    to a float32 nn.Linear (where the float32 kernel did not load); returns how many."""
     names = [name for name, m in model.named_modules() if isinstance(m, StripLinear)]
-    return replace_linears(model, names, lambda m: PackedLinear(m.widened()))
+    return replace_linears(model, names, lambda m: PackedLinear(m.widened()) if onednn_f32() else m.widened())
 
 
 def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn.Module]) -> int:
@@ -243,8 +254,11 @@ class StripLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if linear_f32_kernel() is not None and x.dtype == torch.float32:
+            rows = x.reshape(-1, self.in_features)
             product = torch.ops.ember.linear_f32h if self.bf16 else torch.ops.ember.linear_f32w
-            y = product(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+            if self.bf16 and rows.shape[0] > STRIP_TALL and self.weight.shape[2] == 16 and linear_kernel() is not None:
+                product = torch.ops.ember.linear_bf16w  # pack_bf16's 32-channel words are its layout too
+            y = product(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.plain(), self.bias)
         return ACTIVATIONS[act](y) if act else y
