@@ -1,6 +1,7 @@
 """Linear layers with their weights packed once at load: bf16 layers on oneDNN's matmul, bias and activation fused;
 float32 layers on oneDNN's packed matmul too on AMD CPUs, and on AMD CPUs without AVX-512 on ember's float32 product
-(StripLinear) once its kernel loads; float32 layers of bf16 checkpoints on ember's bf16-weight product (Bf16Linear).
+(StripLinear) once its kernel loads; float32 layers of bf16 checkpoints on that product too on Intel CPUs with AVX-512,
+elsewhere on ember's bf16-weight product (Bf16Linear).
 
 `F.linear` in bf16 re-lays its plain (N, K) weights into oneDNN's blocked format on every call, then
 adds the bias in a separate pass (a broadcast copy into the output); an activation after it is a third
