@@ -224,7 +224,7 @@ def test_where_the_float32_product_takes_the_layers(monkeypatch, vendor, flags, 
 
 def test_bf16_words_above_the_tall_rows_run_the_widened_product(kernel, monkeypatch):
     """On AVX-512 (32-channel strips, Bf16Linear's own layout) a taller batch runs Bf16Linear's product, the matrix
-    widened for oneMKL; below it the strips' own. Both equal float64's product, and a row alone its row in a batch."""
+    widened for oneMKL; below it the strips' own. Both equal float64's product."""
     build_kernels(NativeConfig())
     if strip_width() != 32 or linear_kernel() is None:
         pytest.skip("the bf16-weight kernel (AVX-512) is not loaded here")

@@ -37,6 +37,12 @@ __all__ = [
 
 _local = threading.local()
 
+GRAPHS_PER_FUNCTION = 64
+"""Graphs one fused function may hold. One region serves every instance of its class, and each model of another
+width, dtype or layer kind (float32 strips, int8, ...) compiles graphs of its own: dynamo's default of 8 would fail
+the ninth such model in a process (several served with --models, or a test run), where fullgraph=True allows no
+fallback."""
+
 
 class Fused:
     """A function of tensors whose first axis is tokens, compiled once for any token count.
@@ -83,13 +89,6 @@ class Fused:
             with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_FUNCTION):
                 return self._candidate(*args)
         return self.fn(*args)
-
-
-GRAPHS_PER_FUNCTION = 64
-"""Graphs one fused function may hold. One region serves every instance of its class, and each model of another
-width, dtype or layer kind (float32 strips, int8, ...) compiles graphs of its own: dynamo's default of 8 would fail
-the ninth such model in a process (several served with --models, or a test run), where fullgraph=True allows no
-fallback."""
 
 
 def _tokens(args: tuple[Any, ...]) -> int:

@@ -249,6 +249,7 @@ class StripLinear(nn.Module):
         self.bias: torch.Tensor | None
         w = linear.weight.detach()
         self.bf16 = w.dtype == torch.bfloat16
+        self.widens_tall = self.bf16 and strip_width() == 32  # pack_bf16's 32-channel words: linear_bf16w's layout
         self.register_buffer("weight", pack_bf16(w, strip_width()) if self.bf16 else pack_f32(w.float()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -257,8 +258,8 @@ class StripLinear(nn.Module):
         if linear_f32_kernel() is not None and x.dtype == torch.float32:
             rows = x.reshape(-1, self.in_features)
             product = torch.ops.ember.linear_f32h if self.bf16 else torch.ops.ember.linear_f32w
-            if self.bf16 and rows.shape[0] > STRIP_TALL and self.weight.shape[2] == 16 and linear_kernel() is not None:
-                product = torch.ops.ember.linear_bf16w  # pack_bf16's 32-channel words are its layout too
+            if self.widens_tall and rows.shape[0] > STRIP_TALL and linear_kernel() is not None:
+                product = torch.ops.ember.linear_bf16w
             y = product(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.plain(), self.bias)
