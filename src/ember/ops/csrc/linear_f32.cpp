@@ -13,8 +13,10 @@
 // (0.9-1.0x oneDNN's at 512-2,048 rows, and no second copy of the weights nor a widened one).
 // A bf16 checkpoint's weights can stay bf16 in the same strips, as pack_bf16's words (channel d in the low half of
 // word d, channel d + kW in its high half), widened in registers by a shift and a mask as they are read
-// (ember::linear_f32h): half the bytes, the same sums. On a Zen 3 EPYC, 28 layers' matrices in turn: 2.0x at one row
-// (streaming-bound), 0.97-1.02x from 15 rows to 2,048 (benchmarks/NOTES.md).
+// (ember::linear_f32h): half the bytes, the same sums. Where a strip's rows take three register blocks or more, the
+// first block keeps the widened floats (in L2) for the others, so each word is widened once per strip and pass.
+// On a Zen 3 EPYC, 28 layers' matrices in turn: 2.0x at one row (streaming-bound), 0.97-1.02x from 15 rows to 2,048
+// (benchmarks/NOTES.md).
 // int8 layers (ember.ops.quant) on CPUs without VNNI or AMX hold their int8 weights in the same strips and widen
 // them to float32 as they are read (ember::linear_f32q): x then holds each token's int8 values as floats, and the
 // sums are the int8 product's, exact while they stay below 2^24.
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <cstdlib>
 
 #include "vec.h"
 
@@ -43,10 +46,14 @@ using V = L::V;
 constexpr int kW = L::kWidth;
 constexpr int kPer = 2;                   // registers of channels per register block
 constexpr int kStrip = kPer * kW;         // output channels per strip: one register block's
-constexpr int kRows = kW == 16 ? 12 : 6;  // rows per register block at most: 2 kRows sums (24 of AVX-512's 32
-                                          // registers, 12 of AVX2's 16)
+// Rows per register block at most: 2 kRows sums of AVX-512's 32 registers (12 of AVX2's 16). Widened words (bf16,
+// int8) take issue slots from the FMAs once per k for the whole block, so their blocks are taller; float32 strips
+// stream twice the bytes, and their taller blocks prefetched too fast for a query's rows.
+template <typename W>
+constexpr int kRows = kW == 16 ? (std::is_same_v<W, float> ? 12 : 15) : 6;
 constexpr int64_t kPanel = 256;              // rows per pass over the weights (x's panel stays in L2/L3)
 constexpr int64_t kLine = 64;                // bytes per cache line
+constexpr int64_t kKeepFrom = 3;             // register blocks per strip from which its words are widened once
 
 // R rows of y (row stride ldy), a strip's kStrip channels = R rows of x (row stride ldx) times the strip's weights
 // w (K x kStrip), plus the bias (the strip's kStrip, or null). At step k it prefetches pf + k * pf_step (a share of
@@ -64,9 +71,9 @@ inline void load_strip(const int8_t* p, V (&b)[kPer]) {
   for (int c = 0; c < kPer; ++c) b[c] = L::load_int8(p + c * kW);
 }
 
-template <int R, typename W>
+template <int R, typename W, bool Keep = false>
 inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                       int64_t ldy, const char* pf, int64_t pf_step) {
+                       int64_t ldy, const char* pf, int64_t pf_step, float* kept = nullptr) {
   V acc[R][kPer];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -76,6 +83,8 @@ inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const
     if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
     V b[kPer];
     load_strip(p, b);
+    if constexpr (Keep)  // the strip's weights as float32, for the row blocks after this one
+      for (int c = 0; c < kPer; ++c) L::store(kept + k * kStrip + c * kW, b[c]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V a = L::set(x[r * ldx + k]);
@@ -90,14 +99,33 @@ inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const
   }
 }
 
-// rows_block for a run-time row count 1 .. kRows.
-template <typename W, int R = kRows>
+// rows_block for a run-time row count 1 .. R.
+template <typename W, bool Keep = false, int R = kRows<W>>
 inline void rows_any(int rows, const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                     int64_t ldy, const char* pf, int64_t pf_step) {
+                     int64_t ldy, const char* pf, int64_t pf_step, float* kept = nullptr) {
   if constexpr (R > 0) {
-    if (rows == R) return rows_block<R>(x, ldx, w, K, bias, y, ldy, pf, pf_step);
-    rows_any<W, R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step);
+    if (rows == R) return rows_block<R, W, Keep>(x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
+    rows_any<W, Keep, R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
   }
+}
+
+// A strip's K x kStrip weights widened to float32, per thread: where a strip's rows take several register blocks,
+// the first widens its bf16 (or int8) words and keeps them here, and the others read them as float32 from L2, so
+// the words are widened once per strip rather than once per block (each widening takes issue slots from the FMAs).
+struct Widened {
+  float* data = nullptr;
+  int64_t size = 0;
+  ~Widened() { std::free(data); }
+};
+inline float* widened(int64_t K) {
+  thread_local Widened buf;
+  if (buf.size < K * kStrip) {  // cache-line aligned: each k's kStrip floats are two whole lines on AVX-512
+    std::free(buf.data);
+    buf.data = static_cast<float*>(std::aligned_alloc(kLine, K * kStrip * sizeof(float)));
+    TORCH_CHECK(buf.data, "linear_f32: out of memory for a widened strip");
+    buf.size = K * kStrip;
+  }
+  return buf.data;
 }
 
 // One strip (its kStrip channels of y) for all M rows, in register blocks of equal size; `next` (or null): the strip
@@ -105,8 +133,9 @@ inline void rows_any(int rows, const float* x, int64_t ldx, const W* w, int64_t 
 template <typename W>
 inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const W* next) {
-  const int64_t blocks = (M + kRows - 1) / kRows;
+  const int64_t blocks = (M + kRows<W> - 1) / kRows<W>;
   const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
+  float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom ? nullptr : widened(K);
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
     const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
     const char* pf = nullptr;
@@ -116,7 +145,15 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
       pf = reinterpret_cast<const char*>(next) + lo * kLine;
       step = std::max<int64_t>(1, ((hi - lo) * kLine + K - 1) / K);  // bytes per step of k
     }
-    rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
+    if constexpr (std::is_same_v<W, float>)
+      rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
+    else if (!kept)
+      rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
+    else if (b == 0)
+      rows_any<W, true>(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step, kept);
+    else
+      rows_any<float, false, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias, y + m * ldy,
+                                       ldy, pf, step);
     m += n;
   }
 }
