@@ -210,7 +210,8 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     ("vendor", "flags", "strips"),
     [
         ("GenuineIntel", {"avx2", "fma", "avx512f", "avx512bw"}, True),  # Skylake-SP to Granite Rapids
-        ("GenuineIntel", {"avx2", "fma"}, False),  # AVX2-only Xeons keep Bf16Linear's fallbacks (oneMKL)
+        ("GenuineIntel", {"avx2", "fma"}, True),  # AVX2-only Xeons (Haswell, Broadwell)
+        ("GenuineIntel", {"sse4_2", "avx"}, False),  # no AVX2: the kernel does not build
         ("AuthenticAMD", {"avx2", "fma"}, True),  # Zen 2/3
         ("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512bw"}, False),  # Zen 4/5: oneDNN until measured there
     ],

@@ -136,12 +136,13 @@ def linear_act(linear: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
 def strip_f32() -> bool:
     """Whether float32 layers are laid out for ember's float32 product (StripLinear) here, where the kernel builds:
     on AMD CPUs without AVX-512 (Zen 2 and 3), where it was measured against oneDNN's packed matmul, and a bf16
-    checkpoint's matrices on Intel CPUs with AVX-512, where it was measured against Bf16Linear (twice as fast at a
-    query's rows, level at 512; above STRIP_TALL rows those layers widen for oneMKL as Bf16Linear does). Zen 4 and 5
-    (AVX-512) keep oneDNN until it is measured there. (On Intel, float32 checkpoints' layers stay on oneMKL:
-    pack_linears packs float32 layers only where onednn_f32.)"""
+    checkpoint's matrices on Intel CPUs from AVX2 up, where it was measured against Bf16Linear on AVX-512 (twice as
+    fast at a query's rows, level at 512; above STRIP_TALL rows those layers widen for oneMKL as Bf16Linear does)
+    and against the float32 weights oneMKL otherwise runs on AVX2 (a query in about half the time, level from 4 x
+    500 tokens). Zen 4 and 5 (AVX-512) keep oneDNN until it is measured there. (On Intel, float32 checkpoints'
+    layers stay on oneMKL: pack_linears packs float32 layers only where onednn_f32.)"""
     if cpu_vendor() == "GenuineIntel":
-        return "avx512f" in cpu_flags()
+        return {"avx2", "fma"} <= cpu_flags()
     return onednn_f32() and "avx512f" not in cpu_flags()
 
 

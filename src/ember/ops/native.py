@@ -93,7 +93,7 @@ _KERNELS = (
     _Kernel("elementwise", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "torch.compile's kernels"),
     # 16 lanes only: its 8-lane build (AVX2) lost to oneMKL's float32 at 128-512 rows (benchmarks/NOTES.md)
     _Kernel("linear", frozenset({"avx512f", "avx512bw"}), "float32 weights on oneMKL"),
-    # used on AMD CPUs without AVX-512 and on Intel ones with it (ember.ops.linear.strip_f32); not built on ARM,
+    # used on AMD CPUs without AVX-512 and on Intel ones from AVX2 up (ember.ops.linear.strip_f32); not built on ARM,
     # where it is not measured
     _Kernel("linear_f32", frozenset({"avx2", "fma"}), "oneDNN's packed float32 matmul"),
 )
