@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <cstdlib>
 
 #include "vec.h"
 
@@ -112,20 +111,10 @@ inline void rows_any(int rows, const float* x, int64_t ldx, const W* w, int64_t 
 // A strip's K x kStrip weights widened to float32, per thread: where a strip's rows take several register blocks,
 // the first widens its bf16 (or int8) words and keeps them here, and the others read them as float32 from L2, so
 // the words are widened once per strip rather than once per block (each widening takes issue slots from the FMAs).
-struct Widened {
-  float* data = nullptr;
-  int64_t size = 0;
-  ~Widened() { std::free(data); }
-};
 inline float* widened(int64_t K) {
-  thread_local Widened buf;
-  if (buf.size < K * kStrip) {  // cache-line aligned: each k's kStrip floats are two whole lines on AVX-512
-    std::free(buf.data);
-    buf.data = static_cast<float*>(std::aligned_alloc(kLine, K * kStrip * sizeof(float)));
-    TORCH_CHECK(buf.data, "linear_f32: out of memory for a widened strip");
-    buf.size = K * kStrip;
-  }
-  return buf.data;
+  thread_local at::Tensor buf;  // torch's allocator: 64-byte aligned, so each k's floats start a cache line
+  if (!buf.defined() || buf.numel() < K * kStrip) buf = at::empty({K * kStrip}, at::kFloat);
+  return buf.data_ptr<float>();
 }
 
 // One strip (its kStrip channels of y) for all M rows, in register blocks of equal size; `next` (or null): the strip
@@ -145,15 +134,15 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
       pf = reinterpret_cast<const char*>(next) + lo * kLine;
       step = std::max<int64_t>(1, ((hi - lo) * kLine + K - 1) / K);  // bytes per step of k
     }
-    if constexpr (std::is_same_v<W, float>)
+    if (!kept)
       rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
-    else if (!kept)
-      rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
-    else if (b == 0)
-      rows_any<W, true>(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step, kept);
-    else
-      rows_any<float, false, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias, y + m * ldy,
-                                       ldy, pf, step);
+    else if constexpr (!std::is_same_v<W, float>) {  // float32 strips keep nothing
+      if (b == 0)
+        rows_any<W, true>(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step, kept);
+      else
+        rows_any<float, false, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias,
+                                         y + m * ldy, ldy, pf, step);
+    }
     m += n;
   }
 }
