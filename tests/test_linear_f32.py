@@ -17,6 +17,7 @@ from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
+from ember.ops.fused import can_compile
 from ember.ops.linear import (
     STRIP_TALL,
     StripLinear,
@@ -204,6 +205,30 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())
     assert cos(embedder.embed(TEXTS)[0], ours).min() >= 0.99999
+
+
+@pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")
+def test_compiled_float32_strips_serve_any_batch_without_compiling_again(kernel, monkeypatch, tmp_path):
+    """On bf16 words in strips, short batches run all layers but the last as one compiled region, and batches above
+    STRIP_TALL rows take another product inside it: the compile warm-up builds every graph, so no batch meets a
+    compilation while serving, and a text gives the same in any batch."""
+    monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
+    monkeypatch.setattr(build_mod, "strip_f32", lambda: True)
+    path = build_qwen3(tmp_path / "m", dtype="bfloat16")
+    fused = Embedder(str(path), dtype="float32")
+    assert fused._loaded.runner.compiled
+    assert any(isinstance(m, StripLinear) and m.bf16 for m in fused._loaded.runner.model.modules())
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    g = torch.Generator().manual_seed(0)
+    seqs = {n: torch.randint(10, 1000, (n,), generator=g).tolist() for n in (1, 5, 17, 300, 600, 1200, 1000)}
+    for lengths in ([5], [5] * 8, [17, 300, 5], [1], [600], [1200, 600], [1200, 1000]):
+        fused.embed([seqs[n] for n in lengths])  # raises if any of them needs a new graph
+    fused.embed_tokens([seqs[5], seqs[17]])
+    eager = Embedder(str(path), dtype="float32", enforce_eager=True)
+    for lengths in ([17], [600], [1200, 600], [1200, 1000]):  # up to a slice, below and above STRIP_TALL; past it
+        got = fused.embed([seqs[n] for n in lengths]).vectors
+        assert cos(got, eager.embed([seqs[n] for n in lengths]).vectors).min() >= 0.99999
+        assert cos(got[-1:], eager.embed([seqs[lengths[-1]]]).vectors).min() >= 0.99999
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from ember import Embedder
 from ember.config import ModelConfig, NativeConfig
 from ember.engine.build import plan
 from ember.models.checkpoint import parameter_count
-from ember.models.llama import Block
+from ember.models.llama import Block, LlamaModel
 from ember.ops import quant
 from ember.ops.fused import can_compile
 from ember.ops.linear import pack_f32, strip_width
@@ -376,16 +376,17 @@ def test_qwen3_int8_compiled_regions_match_eager(qwen3_path):
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")
 def test_qwen3_int8_compiled_serves_any_batch_without_compiling_again(qwen3_path, monkeypatch):
-    """A layer is one compiled region up to a token slice and slices around attention past it: the compile
+    """The layers are one compiled region up to a token slice and slices around attention past it: the compile
     warm-up builds both (an unbuilt region would run eagerly), for any token and sequence count, so no batch
     meets a compilation while serving. A sequence gives the same on both paths."""
     fused = Embedder(str(qwen3_path), dtype="bfloat16", quantization="int8")
-    assert all(region._fast is not None for region in (Block._layer, Block._project, Block._out_mlp))
+    assert all(region._fast is not None for region in (LlamaModel._stack, Block._project, Block._out_mlp))
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     g = torch.Generator().manual_seed(0)
     seqs = {n: torch.randint(10, 1000, (n,), generator=g).tolist() for n in (1, 5, 17, 200, 1000, 1200, 3000)}
     for lengths in ([5], [5] * 8, [17, 200, 5], [1], [1200, 1000], [3000]):
         fused.embed([seqs[n] for n in lengths])  # raises if any of them needs a new graph
+    fused.embed_tokens([seqs[5], seqs[17]])  # every row wanted through the last layer: the same graph
     alone = fused.embed([seqs[1000]]).vectors[0]  # 1,000 tokens: one region per layer
     sliced = fused.embed([seqs[1200], seqs[1000]]).vectors[1]  # 2,200 tokens: the sliced path
     assert float(alone @ sliced) >= 0.999

@@ -100,13 +100,20 @@ class TorchRunner:
         """Compiles the model's fused regions with small forwards on this thread; then every thread uses them."""
         with compiling():
             self.run([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
-            # and a batch of just over a token slice: models may take another path there (Qwen3's layers run
-            # in slices around attention instead of as one region), whose regions would otherwise stay eager
-            lengths: list[int] = []
-            while sum(lengths) <= TOKEN_SLICE:
-                lengths.append(min(self.info.max_model_len, TOKEN_SLICE + 1 - sum(lengths)))
-            self.run([[1] * n for n in lengths])
+            # then a batch of a whole token slice: a layer may take another product for tall batches (StripLinear
+            # on bf16 words above STRIP_TALL rows), a graph a batch would otherwise compile while serving; and one
+            # of just over a slice: models may take another path there (Qwen3's layers run in slices around
+            # attention instead of as one region), whose regions would otherwise stay eager
+            for tokens in (TOKEN_SLICE, TOKEN_SLICE + 1):
+                self.run(self._ones(tokens))
         self.compiled = True
+
+    def _ones(self, tokens: int) -> list[list[int]]:
+        """Sequences of token 1, none longer than the model takes, `tokens` in all."""
+        lengths: list[int] = []
+        while sum(lengths) < tokens:
+            lengths.append(min(self.info.max_model_len, tokens - sum(lengths)))
+        return [[1] * n for n in lengths]
 
 
 def padded_tokens(n: int) -> int:

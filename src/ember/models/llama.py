@@ -10,7 +10,7 @@ one activation quantisation with int8); load hooks concatenate the checkpoint's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 from torch import nn
@@ -152,10 +152,12 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_up_proj, x))
 
 
-def _one_region(block: Block) -> bool:
-    """Whether the layer's stretches compile as whole regions, GEMMs included (see Block._layer): with int8 weights,
-    and with float32 ones on ember's float32 product."""
-    return isinstance(block.mlp.down_proj, Int8Linear | StripLinear)
+def _one_region(module: Block | LlamaModel) -> bool:
+    """Whether a layer's stretches, or the model's layers, compile as whole regions, GEMMs included (see
+    LlamaModel._stack): with int8 weights, and with float32 ones on ember's float32 product."""
+    if isinstance(module, LlamaModel):
+        return all(_one_region(cast(Block, b)) for b in module.layers)
+    return isinstance(module.mlp.down_proj, Int8Linear | StripLinear)
 
 
 class Block(nn.Module):
@@ -179,8 +181,6 @@ class Block(nn.Module):
         """With `rows`, only those rows' outputs are wanted (the last layer of a model pooled on each sequence's last
         token): every row's keys and values still feed attention, then the output projection and the MLP run on
         `rows` alone, (len(rows), hidden)."""
-        if x.shape[0] <= TOKEN_SLICE and _one_region(self) and shared is None and rows is None:  # one region
-            return self._layer(x, cos, sin, cu)
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
         qkv = by_token_slices(self._project, x, cos, sin)  # (T, Hq + 2 Hkv, D)
@@ -193,14 +193,8 @@ class Block(nn.Module):
             x, y = x.index_select(0, rows), y.index_select(0, rows)
         return by_token_slices(self._out_mlp, x, y)
 
-    # With int8 weights, and float32 ones on ember's float32 product, each layer (up to a slice of tokens; longer
-    # batches: each per-token stretch between attentions) is compiled as one region, so the residual adds and norms
-    # fuse around the GEMMs, and a forward enters one compiled region per layer rather than two with Python between
-    # them (attention is the op packed_attention inside it). It shortened short queries in int8 and in float32 and
-    # left long batches level (docs/performance.md, Kernels; benchmarks/NOTES.md). In bf16 an A/B against the
-    # per-function fused kernels was inconclusive, so bf16 keeps those.
-    @Fused.region(when=_one_region)
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """The whole layer at once (a batch of up to a token slice), inside LlamaModel's one compiled region."""
         qkv = self._project(x, cos, sin)
         y = packed_attention(qkv, cu, self.self_attn.n_kv, self.self_attn.causal).flatten(1)  # (T, Hq * D)
         return self._out_mlp(x, y)
@@ -272,7 +266,23 @@ class LlamaModel(Architecture):
         x = self.embed_tokens(input_ids)  # (T, H)
         cos, sin = rope_cos_sin(positions, torch.tensor(self.args.inv_freq), x.dtype)
         cu = seq_offsets(seqlens)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, seqlens, cu, shared, rows if i == last else None)
+        last, first = len(self.layers) - 1, 0
+        if x.shape[0] <= TOKEN_SLICE and shared is None and last > 0 and _one_region(self):
+            x, first = self._stack(x, cos, sin, cu), last
+        for i in range(first, last + 1):
+            x = self.layers[i](x, cos, sin, seqlens, cu, shared, rows if i == last else None)
         return self.norm(x)
+
+    # With int8 weights, and float32 ones on ember's float32 product, a batch of up to a token slice runs every layer
+    # but the last as one compiled region, GEMMs included (attention is the op packed_attention inside it): the
+    # residual adds and norms fuse around the GEMMs and across layers, and a forward enters one region instead of one
+    # per layer, with no Python between layers. Against one region per layer it shortened short queries and small
+    # batches by a tenth (benchmarks/NOTES.md). The last layer runs apart, on the rows the head reads; longer batches
+    # run per layer, in token slices around attention. In bf16 an A/B of one region per layer against the
+    # per-function fused kernels was inconclusive, so bf16 keeps those.
+    @Fused.region(when=_one_region)
+    def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """Every layer but the last."""
+        for layer in cast(list[Block], self.layers[:-1]):
+            x = layer._layer(x, cos, sin, cu)
+        return x
