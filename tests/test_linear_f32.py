@@ -19,7 +19,6 @@ from ember import Embedder
 from ember.config import NativeConfig
 from ember.ops.fused import can_compile
 from ember.ops.linear import (
-    STRIP_TALL,
     StripLinear,
     pack_bf16,
     pack_f32,
@@ -28,7 +27,7 @@ from ember.ops.linear import (
     unpack_bf16,
     unpack_f32,
 )
-from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
+from ember.ops.native import build_kernels, linear_f32_kernel
 from parity import cos, st_reference
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]
@@ -209,8 +208,8 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
 
 @pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")
 def test_compiled_float32_strips_serve_any_batch_without_compiling_again(kernel, monkeypatch, tmp_path):
-    """On bf16 words in strips, short batches run all layers but the last as one compiled region, and batches above
-    STRIP_TALL rows take another product inside it: the compile warm-up builds every graph, so no batch meets a
+    """On bf16 words in strips, batches of up to a token slice run all layers but the last as one compiled region,
+    longer ones per layer in slices: the compile warm-up builds every graph, so no batch of any height meets a
     compilation while serving, and a text gives the same in any batch."""
     monkeypatch.setattr(linear_mod, "onednn_f32", lambda: True)
     monkeypatch.setattr(build_mod, "strip_f32", lambda: True)
@@ -225,7 +224,7 @@ def test_compiled_float32_strips_serve_any_batch_without_compiling_again(kernel,
         fused.embed([seqs[n] for n in lengths])  # raises if any of them needs a new graph
     fused.embed_tokens([seqs[5], seqs[17]])
     eager = Embedder(str(path), dtype="float32", enforce_eager=True)
-    for lengths in ([17], [600], [1200, 600], [1200, 1000]):  # up to a slice, below and above STRIP_TALL; past it
+    for lengths in ([17], [600], [1200, 600], [1200, 1000]):  # up to a slice, short and tall; past it
         got = fused.embed([seqs[n] for n in lengths]).vectors
         assert cos(got, eager.embed([seqs[n] for n in lengths]).vectors).min() >= 0.99999
         assert cos(got[-1:], eager.embed([seqs[lengths[-1]]]).vectors).min() >= 0.99999
@@ -248,25 +247,12 @@ def test_where_the_float32_product_takes_the_layers(monkeypatch, vendor, flags, 
     assert linear_mod.strip_f32() is strips
 
 
-def test_bf16_words_above_the_tall_rows_run_the_widened_product(kernel, monkeypatch):
-    """On AVX-512 (32-channel strips, Bf16Linear's own layout) a taller batch runs Bf16Linear's product, the matrix
-    widened for oneMKL; below it the strips' own. Both equal float64's product."""
-    build_kernels(NativeConfig())
-    if strip_width() != 32 or linear_kernel() is None:
-        pytest.skip("the bf16-weight kernel (AVX-512) is not loaded here")
+def test_bf16_words_in_tall_batches_equal_float64(kernel):
+    """Batches of any height run the strips' own product (panels of rows) on bf16 words and equal float64's."""
     layer = _bf16_layer(256, 96)
     held = StripLinear(layer)
-    called: list[int] = []
-    widened = torch.ops.ember.linear_bf16w
-
-    def spy(x, w, bias):
-        called.append(x.shape[0])
-        return widened(x, w, bias)
-
-    monkeypatch.setattr(torch.ops.ember, "linear_bf16w", spy, raising=False)
-    for rows in (STRIP_TALL, STRIP_TALL + 1, 2 * STRIP_TALL + 5):
+    for rows in (512, 513, 1029, 2048):
         x = torch.randn(rows, 256)
         ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
         y = held(x)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert called == [STRIP_TALL + 1, 2 * STRIP_TALL + 5]

@@ -100,12 +100,12 @@ class TorchRunner:
         """Compiles the model's fused regions with small forwards on this thread; then every thread uses them."""
         with compiling():
             self.run([[1, 2, 3, 4, 5, 6, 7, 8], [3, 2, 1, 4, 5]])
-            # then a batch of a whole token slice: a layer may take another product for tall batches (StripLinear
-            # on bf16 words above STRIP_TALL rows), a graph a batch would otherwise compile while serving; and one
-            # of just over a slice: models may take another path there (Qwen3's layers run in slices around
-            # attention instead of as one region), whose regions would otherwise stay eager
-            for tokens in (TOKEN_SLICE, TOKEN_SLICE + 1):
-                self.run(self._ones(tokens))
+            # then one of 600 tokens: torch.compile's graphs of a region hold up to 512 tokens (a guard it sets on
+            # the token count), and a batch above would otherwise compile another while serving
+            self.run(self._ones(600))
+            # and a batch of just over a token slice: models may take another path there (Qwen3's layers run
+            # in slices around attention instead of as one region), whose regions would otherwise stay eager
+            self.run(self._ones(TOKEN_SLICE + 1))
         self.compiled = True
 
     def _ones(self, tokens: int) -> list[list[int]]:

@@ -31,7 +31,6 @@ from ember.ops.native import linear_f32_kernel, linear_kernel
 
 __all__ = [
     "ACTIVATIONS",
-    "STRIP_TALL",
     "Bf16Linear",
     "PackedLinear",
     "StripLinear",
@@ -137,18 +136,13 @@ def strip_f32() -> bool:
     """Whether float32 layers are laid out for ember's float32 product (StripLinear) here, where the kernel builds:
     on AMD CPUs without AVX-512 (Zen 2 and 3), where it was measured against oneDNN's packed matmul, and a bf16
     checkpoint's matrices on Intel CPUs from AVX2 up, where it was measured against Bf16Linear on AVX-512 (twice as
-    fast at a query's rows, level at 512; above STRIP_TALL rows those layers widen for oneMKL as Bf16Linear does)
-    and against the float32 weights oneMKL otherwise runs on AVX2 (a query in about half the time, level from 4 x
-    500 tokens). Zen 4 and 5 (AVX-512) keep oneDNN until it is measured there. (On Intel, float32 checkpoints'
-    layers stay on oneMKL: pack_linears packs float32 layers only where onednn_f32.)"""
+    fast at a query's rows, level from 512 to 2,048 rows, so it runs at every height: a compiled region holds one
+    graph for any batch) and against the float32 weights oneMKL otherwise runs on AVX2 (a query in about half the
+    time, level from 4 x 500 tokens). Zen 4 and 5 (AVX-512) keep oneDNN until it is measured there. (On Intel,
+    float32 checkpoints' layers stay on oneMKL: pack_linears packs float32 layers only where onednn_f32.)"""
     if cpu_vendor() == "GenuineIntel":
         return {"avx2", "fma"} <= cpu_flags()
     return onednn_f32() and "avx512f" not in cpu_flags()
-
-
-STRIP_TALL = 512
-"""Rows above which a StripLinear on bf16 words in 32-channel strips (the AVX-512 build) runs Bf16Linear's product
-(the matrix widened into a float32 buffer for oneMKL), where the bf16-weight kernel loaded: the same words."""
 
 
 def strip_width() -> int:
@@ -250,7 +244,6 @@ class StripLinear(nn.Module):
         self.bias: torch.Tensor | None
         w = linear.weight.detach()
         self.bf16 = w.dtype == torch.bfloat16
-        self.widens_tall = self.bf16 and strip_width() == 32  # pack_bf16's 32-channel words: linear_bf16w's layout
         self.register_buffer("weight", pack_bf16(w, strip_width()) if self.bf16 else pack_f32(w.float()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -259,8 +252,6 @@ class StripLinear(nn.Module):
         if linear_f32_kernel() is not None and x.dtype == torch.float32:
             rows = x.reshape(-1, self.in_features)
             product = torch.ops.ember.linear_f32h if self.bf16 else torch.ops.ember.linear_f32w
-            if self.widens_tall and rows.shape[0] > STRIP_TALL and linear_kernel() is not None:
-                product = torch.ops.ember.linear_bf16w
             y = product(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.plain(), self.bias)
