@@ -19,15 +19,18 @@ from ember import Embedder
 from ember.config import NativeConfig
 from ember.ops.fused import can_compile
 from ember.ops.linear import (
+    PackedLinear,
     StripLinear,
     pack_bf16,
     pack_f32,
+    per_row_kernels,
     release_strips,
     strip_width,
     unpack_bf16,
     unpack_f32,
 )
 from ember.ops.native import build_kernels, linear_f32_kernel
+from ember.ops.quant import Int8Linear
 from parity import cos, st_reference
 
 TEXTS = [*SENTENCES[:12], SENTENCES[50]]
@@ -170,6 +173,7 @@ def test_float32_models_laid_out_for_the_kernel_match_sentence_transformers(kern
     monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())
+    assert embedder._loaded.runner.pads  # now on oneDNN's layers, which build a kernel per row count
     again, _ = embedder.embed(TEXTS)
     assert cos(again, ours).min() >= 0.99999
 
@@ -185,6 +189,7 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     model = embedder._loaded.runner.model
     strips = [m for m in model.modules() if isinstance(m, StripLinear)]
     assert len(strips) == 2 * 4 and all(m.bf16 and m.weight.dtype == torch.int32 for m in strips)
+    assert not embedder._loaded.runner.pads  # no layer on oneDNN: batches run at their own token counts
     assert all(p.dtype == torch.float32 for p in model.parameters())  # norms and embeddings widened
     ours, _ = embedder.embed(TEXTS)
     ref = st_reference(path, TEXTS, model_kwargs={"dtype": torch.float32})
@@ -203,6 +208,7 @@ def test_a_bf16_checkpoint_in_float32_holds_its_bf16_weights_in_strips(kernel, m
     monkeypatch.setattr(runner_mod, "linear_f32_kernel", lambda: None)
     embedder._loaded.runner.load_kernels()
     assert not any(isinstance(m, StripLinear) for m in model.modules())
+    assert embedder._loaded.runner.pads  # now on oneDNN's layers, which build a kernel per row count
     assert cos(embedder.embed(TEXTS)[0], ours).min() >= 0.99999
 
 
@@ -256,3 +262,17 @@ def test_bf16_words_in_tall_batches_equal_float64(kernel):
         ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
         y = held(x)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_batches_pad_only_where_a_layer_builds_a_kernel_per_row_count(kernel):
+    """oneDNN (PackedLinear, a bf16 nn.Linear, int8 on torch._int_mm or oneDNN) builds a kernel for each row count,
+    so those models' batches run at a few rounded counts; ember's own products and oneMKL's float32 one do not."""
+    assert not per_row_kernels(nn.Sequential(StripLinear(_layer(64, 64)), _layer(64, 32)))
+    assert per_row_kernels(nn.Sequential(StripLinear(_layer(64, 64)), _layer(64, 32).bfloat16()))
+    assert per_row_kernels(nn.Sequential(StripLinear(_layer(64, 64)), PackedLinear(_layer(64, 32).bfloat16())))
+    int8 = Int8Linear(_layer(64, 64), torch.float32)
+    int8.onednn, int8.int_mm = False, True
+    int8.qweight = torch.zeros(64, 64, dtype=torch.int8)  # (K, N) for torch._int_mm
+    assert per_row_kernels(nn.Sequential(int8))
+    int8.qweight = pack_f32(torch.zeros(64, 64, dtype=torch.int8), strip_width())  # the float32 product's strips
+    assert not per_row_kernels(nn.Sequential(int8))

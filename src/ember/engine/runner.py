@@ -15,7 +15,7 @@ from ember.config import NativeConfig
 from ember.models.base import Architecture
 from ember.models.heads import Head
 from ember.ops.fused import compiled, compiling
-from ember.ops.linear import release_bf16, release_strips
+from ember.ops.linear import per_row_kernels, release_bf16, release_strips
 from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
@@ -41,6 +41,9 @@ class TorchRunner:
         self.last_rows = model.selects_rows and head.reads_last
         """Whether a batch wanting only pooled answers computes just each sequence's last row through the final
         layer's output projection and MLP (Architecture.selects_rows)."""
+        self.pads = True
+        """Whether a batch runs at padded_tokens' rounded token count: unless every linear layer runs any row count
+        without a kernel built for it (ember.ops.linear.per_row_kernels; decided once the kernels load)."""
 
     @torch.inference_mode()
     def run(
@@ -54,7 +57,7 @@ class TorchRunner:
         seqs = batch if plan is None else plan.segments
         seqlens = [len(ids) for ids in seqs]
         total = sum(seqlens)
-        filler = padded_tokens(total) - total  # one more sequence, of token 0, that nothing reads
+        filler = (padded_tokens(total) if self.pads else total) - total  # one more sequence, of token 0, unread
         input_ids = torch.from_numpy(_flat(seqs, total + filler))  # (T,)
         types = torch.from_numpy(_flat(token_types, total + filler)) if token_types and plan is None else None
         lens = [*seqlens, filler] if filler else seqlens
@@ -94,6 +97,7 @@ class TorchRunner:
                 release_bf16(self.model)
             if linear_f32_kernel() is None:
                 release_strips(self.model)
+            self.pads = per_row_kernels(self.model)
         return report
 
     def compile(self) -> None:
@@ -122,7 +126,8 @@ def padded_tokens(n: int) -> int:
 
     oneDNN builds a matmul kernel for every row count it meets (config.ONEDNN_KERNEL_CACHE), so batches of ever-new
     sizes paid for new kernels in most forwards, far slower than a repeated batch. Rounded, ~80 sizes cover every batch
-    up to the token slice (config.ONEDNN_KERNEL_CACHE keeps them all).
+    up to the token slice (config.ONEDNN_KERNEL_CACHE keeps them all). A model none of whose layers runs on oneDNN
+    runs each batch at its own count (TorchRunner.pads): a padded row costs it as much as a token.
     A short query runs at its own length: rounded to a multiple of 16, an 18-token query would run 32 rows, most of
     them padding, at nearly twice the GEMM work."""
     if n < 16:

@@ -42,6 +42,7 @@ __all__ = [
     "pack_bf16",
     "pack_f32",
     "pack_linears",
+    "per_row_kernels",
     "release_bf16",
     "release_strips",
     "replace_linears",
@@ -87,6 +88,9 @@ def onednn_bf16() -> bool:
 class PackedLinear(nn.Module):
     """A drop-in for a bf16 nn.Linear, weights in oneDNN's packed layout; `forward(x, act)` also applies
     an activation named in ACTIVATIONS inside the same kernel."""
+
+    per_row_kernels = True
+    """oneDNN builds a kernel for each row count it meets (see per_row_kernels)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -228,6 +232,19 @@ def unpack_f32(strips: torch.Tensor) -> torch.Tensor:
     """pack_f32's strips back to the (N, K) matrix."""
     count, k, width = strips.shape
     return strips.transpose(1, 2).reshape(count * width, k)
+
+
+def per_row_kernels(model: nn.Module) -> bool:
+    """Whether a linear layer of `model` runs on a library that builds a kernel for each row count it meets: oneDNN,
+    under PackedLinear, a bf16 nn.Linear, and int8 layers on torch._int_mm or oneDNN (a module says so in its
+    `per_row_kernels`). Batches for such a model run at a few rounded token counts (TorchRunner.pads); ember's own
+    products (StripLinear, Bf16Linear, the native int8 kernel) and oneMKL's float32 one run any count as it is."""
+    for module in model.modules():
+        if getattr(module, "per_row_kernels", False):
+            return True
+        if isinstance(module, nn.Linear) and module.weight.dtype != torch.float32:
+            return True
+    return False
 
 
 class StripLinear(nn.Module):

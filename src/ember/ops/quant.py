@@ -215,6 +215,12 @@ class Int8Linear(nn.Module):
         self.glu = glu and linear.bias is None
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    @property
+    def per_row_kernels(self) -> bool:
+        """Whether its product is oneDNN's, which builds a kernel per row count (ember.ops.linear.per_row_kernels):
+        not on the native kernel's tiles or the float32 product's int8 strips."""
+        return self.qweight.dim() not in (3, 5) and (self.onednn or self.int_mm)
+
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """The inputs in the rotated basis the weights were quantised in."""
         return x if self.rotation is None else rotate(x, self.rotation)
