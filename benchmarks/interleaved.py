@@ -12,8 +12,9 @@ The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on t
 --peer-cmd/--peer-url/--peer-model for another server, VLLM_BIND=auto for vLLM's own one-core default on 2 vCPUs).
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
-oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), so an AMX
-Xeon measures what an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
+oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), and vLLM's own
+kernel library and attention picked for the tier (serve_vllm.sh, harness/vllm_tier), so an AMX Xeon measures what
+an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
 rate over the model's FLOPs per token) is probed under the same cap before the servers start, and each
 workload's ember rate is given as a fraction of it.
 """

