@@ -27,7 +27,8 @@ export LD_PRELOAD="$TCMALLOC${IOMP:+:$IOMP}"
 if [ -n "$EMBER_MAX_ISA" ]; then  # an emulated tier (interleaved.py --tier): vLLM's own kernels kept inside it too
   export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/harness/vllm_tier${PYTHONPATH:+:$PYTHONPATH}"
 fi
-echo "vLLM: VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=$LD_PRELOAD" >&2
+echo "vLLM: VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND LD_PRELOAD=$LD_PRELOAD${EMBER_MAX_ISA:+ PYTHONPATH=$PYTHONPATH}" >&2
+
 # `vllm serve` fails on the wheel's package name, so the module entry point is used
 exec "$VENV"/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$NAME" \
   --runner pooling --max-model-len 8192 --port "$PORT" "$@"

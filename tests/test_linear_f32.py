@@ -275,4 +275,6 @@ def test_batches_pad_only_where_a_layer_builds_a_kernel_per_row_count(kernel):
     int8.qweight = torch.zeros(64, 64, dtype=torch.int8)  # (K, N) for torch._int_mm
     assert per_row_kernels(nn.Sequential(int8))
     int8.qweight = pack_f32(torch.zeros(64, 64, dtype=torch.int8), strip_width())  # the float32 product's strips
-    assert not per_row_kernels(nn.Sequential(int8))
+    assert int8.rotation is not None and not per_row_kernels(nn.Sequential(int8))  # rotated in float32: oneMKL
+    int8.out_dtype = torch.bfloat16  # a bf16 model's int8 layer: its inputs rotated by a bf16 matmul, on oneDNN
+    assert per_row_kernels(nn.Sequential(int8))

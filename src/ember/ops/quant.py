@@ -217,9 +217,11 @@ class Int8Linear(nn.Module):
 
     @property
     def per_row_kernels(self) -> bool:
-        """Whether its product is oneDNN's, which builds a kernel per row count (ember.ops.linear.per_row_kernels):
-        not on the native kernel's tiles or the float32 product's int8 strips."""
-        return self.qweight.dim() not in (3, 5) and (self.onednn or self.int_mm)
+        """Whether it runs a product on oneDNN, which builds a kernel per row count (ember.ops.linear.per_row_kernels):
+        its int8 product, but not on the native kernel's tiles or the float32 product's int8 strips; or its inputs'
+        rotation in bf16 (a bf16 matmul of T * K / b rows)."""
+        rotated_bf16 = self.rotation is not None and self.out_dtype == torch.bfloat16
+        return rotated_bf16 or (self.qweight.dim() not in (3, 5) and (self.onednn or self.int_mm))
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """The inputs in the rotated basis the weights were quantised in."""
