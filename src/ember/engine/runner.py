@@ -17,6 +17,7 @@ from ember.models.heads import Head
 from ember.ops.fused import compiled, compiling
 from ember.ops.linear import per_row_kernels, release_bf16, release_strips
 from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
+from ember.ops.pages import huge_pages
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
 from ember.ops.tokenwise import TOKEN_SLICE
@@ -88,7 +89,7 @@ class TorchRunner:
         """Builds or loads ember's native kernels (those `native` allows, where they can run) and moves int8
         layers onto its int8 kernel; every thread uses them from then on. Layers holding bf16 weights for a
         bf16-weight kernel that did not load go back to float32, and layers laid out for the float32 kernel to
-        oneDNN's."""
+        oneDNN's. Then the weight matrices, laid out for good, move onto huge pages (ember.ops.pages)."""
         try:
             report = build_kernels(self.native)
             use_native_int8(self.model, self.native.enabled("int8_gemm"), self.native.enabled("linear_f32"))
@@ -98,7 +99,7 @@ class TorchRunner:
             if linear_f32_kernel() is None:
                 release_strips(self.model)
             self.pads = per_row_kernels(self.model)
-        return report
+        return [*report, huge_pages(self.model)]
 
     def compile(self) -> None:
         """Compiles the model's fused regions with small forwards on this thread; then every thread uses them."""
