@@ -2,11 +2,11 @@
 
 A short query streams every weight of the model from memory once per forward, a page of 4 KB at a time: each page
 costs the CPU a TLB miss, and under a hypervisor each miss walks two page tables. On 2 MB pages the same stream ran
-0.89x the time in a bare loop, and a Qwen3-0.6B forward of an 18-token query 0.965x (8 tokens 0.94x; a batch of 8
+0.89x the time in a bare loop, and a Qwen3-0.6B forward of an 18-token query 0.945x (8 tokens 0.92x; a batch of 8
 queries, bound by its multiply-adds, level) on a Xeon with AMX hidden (benchmarks/NOTES.md). So once a model is laid
 out, huge_pages moves the 2 MB-aligned inside of every weight matrix onto huge pages with `madvise(MADV_COLLAPSE)`
 (Linux 6.1+; it copies each 2 MB into a huge page and frees the small ones, so memory stays the same). Where Linux
-refuses (older kernels, transparent huge pages disabled, a file-backed mapping) the range is only advised
+refuses (a kernel before 6.1 or without transparent huge pages, memory it will not move) the range is only advised
 `MADV_HUGEPAGE`, for the kernel's background collapsing if it runs, and serving goes on as it was: this only ever
 changes speed.
 
