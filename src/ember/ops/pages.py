@@ -42,8 +42,8 @@ def huge_page_size(path: Path = _PMD_SIZE) -> int | None:
 
 
 def weight_spans(model: nn.Module, page: int) -> list[tuple[int, int]]:
-    """The [start, end) address ranges of whole huge pages inside the model's parameters and buffers, largest first:
-    each storage once; not embedding tables, nor oneDNN's opaque tensors (torch does not expose their memory)."""
+    """The [start, end) address ranges of whole huge pages inside the model's parameters and buffers: each storage
+    once; not embedding tables, nor oneDNN's opaque tensors (torch does not expose their memory)."""
     skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     seen: set[int] = set()
     spans: list[tuple[int, int]] = []
@@ -58,7 +58,7 @@ def weight_spans(model: nn.Module, page: int) -> list[tuple[int, int]]:
         start, end = -(-address // page) * page, (address + size) // page * page
         if end > start:
             spans.append((start, end))
-    return sorted(spans, key=lambda s: s[0] - s[1])
+    return spans
 
 
 def collapse(
