@@ -44,11 +44,17 @@ the ninth such model in a process (several served with --models, or a test run),
 fallback."""
 
 
-COMPILE_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
-"""inductor's options for every region. `cpp_wrapper`: the code that calls a region's kernels one after another is
-C++ rather than Python. A region of 27 decoder layers makes ~10 calls a layer (products, attention, the fused
-elementwise loops), and in Python each took a few microseconds during which the other compute thread waited:
-one 18-token query on the Qwen3-0.6B shape ran ~2% faster, outputs bit-identical (benchmarks/NOTES.md)."""
+REGION_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "cpp_wrapper": True,
+    "cpp_wrapper_build_separate": True,
+}
+"""inductor's options for the regions (`Fused.region`). `cpp_wrapper`: the code that calls a region's kernels one
+after another is C++ rather than Python. The region of 27 decoder layers makes ~10 calls a layer (products,
+attention, the fused elementwise loops), and in Python each took a few microseconds during which the other compute
+thread waited: one 18-token query on the Qwen3-0.6B shape in float32 ran ~4% faster, outputs equal to float32
+rounding. `cpp_wrapper_build_separate`: the wrapper is compiled apart from the kernels, so a cold build takes ~1.1x
+the Python wrapper's time rather than ~1.8x. The small fused functions keep the Python wrapper: one call each, and
+bf16 models built of them measured level to 2% slower with the C++ one (benchmarks/NOTES.md)."""
 
 
 class Fused:
@@ -63,9 +69,15 @@ class Fused:
 
     registry: ClassVar[list[Fused]] = []
 
-    def __init__(self, fn: Callable[..., Any], when: Callable[[Any], bool] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        when: Callable[[Any], bool] | None = None,
+        options: dict[str, str | int | bool | Callable[..., Any]] | None = None,
+    ) -> None:
         self.fn = fn
         self.when = when
+        self.options = options
         self.__doc__ = fn.__doc__
         self._candidate: Callable[..., Any] | None = None
         self._fast: Callable[..., Any] | None = None
@@ -75,7 +87,7 @@ class Fused:
     @staticmethod
     def region(when: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Fused]:
         """A method compiled as one region for the instances where `when(instance)` holds."""
-        return lambda fn: Fused(fn, when)
+        return lambda fn: Fused(fn, when, REGION_OPTIONS)
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         return self if obj is None else functools.partial(self, obj)
@@ -90,7 +102,7 @@ class Fused:
             return self._fast(*args)
         if mode == "compiling":
             if self._candidate is None:
-                self._candidate = torch.compile(self.fn, fullgraph=True, options=COMPILE_OPTIONS)
+                self._candidate = torch.compile(self.fn, fullgraph=True, options=self.options)
             _mark_tokens_dynamic(args)
             self._tried = True
             with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_FUNCTION):
