@@ -66,8 +66,8 @@ def test_the_strip_width_is_the_kernels(kernel):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 7, 15, 21, 64, 160, PANEL, 2 * PANEL + 7])
-@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (200, 160, False), (1024, 32, True)])
-def test_kernel_matches_float64(kernel, rows, k, n, bias):
+@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (200, 160, False), (1024, 32, True), (203, 128, True)])
+def test_kernel_matches_float64(kernel, rows, k, n, bias):  # k = 203: a depth the prefetch streams do not divide
     layer = _layer(k, n, bias)
     x = torch.randn(rows, k)
     expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
@@ -83,7 +83,7 @@ def _bf16_layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 15, 64, PANEL + 7])
-@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (1024, 32, False)])
+@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (1024, 32, False), (203, 128, True)])
 def test_bf16_words_match_float64(kernel, rows, k, n, bias):
     """The same product on a bf16 checkpoint's weights in strips of bf16 words: the bf16 values, widened exactly."""
     layer = _bf16_layer(k, n, bias)

@@ -53,10 +53,15 @@ constexpr int kRows = kW == 16 ? (std::is_same_v<W, float> ? 12 : 15) : 6;
 constexpr int64_t kPanel = 256;              // rows per pass over the weights (x's panel stays in L2/L3)
 constexpr int64_t kLine = 64;                // bytes per cache line
 constexpr int64_t kKeepFrom = 3;             // register blocks per strip from which its words are widened once
+// Where a product is bound by streaming its weights (a query's few rows: up to two register blocks on AVX-512, one
+// where the FMAs take twice as long), each strip prefetches the next as kStreams streams, each a part of it, taken
+// in turn: the caches' own prefetchers then follow several streams, which read more per core than one (8 rows
+// 0.81x the time, 15 rows 0.86-0.95x; benchmarks/NOTES.md). Taller strips' blocks each prefetch a small share of
+// the next, as one stream.
+constexpr int kStreams = 4;
+constexpr int64_t kStreamsUpTo = kW == 16 ? 2 : 1;  // register blocks per strip up to which the next is streams
+static_assert(kStreamsUpTo < kKeepFrom, "a strip read as streams keeps no widened words");
 
-// R rows of y (row stride ldy), a strip's kStrip channels = R rows of x (row stride ldx) times the strip's weights
-// w (K x kStrip), plus the bias (the strip's kStrip, or null). At step k it prefetches pf + k * pf_step (a share of
-// the next strip), when pf is not null.
 template <typename W>
 constexpr int64_t kStep = std::is_same_v<W, uint32_t> ? kW : kStrip;  // W elements per input k of a strip
 
@@ -70,25 +75,53 @@ inline void load_strip(const int8_t* p, V (&b)[kPer]) {
   for (int c = 0; c < kPer; ++c) b[c] = L::load_int8(p + c * kW);
 }
 
-template <int R, typename W, bool Keep = false>
+// R rows of y (row stride ldy), a strip's kStrip channels = R rows of x (row stride ldx) times the strip's weights
+// w (K x kStrip), plus the bias (the strip's kStrip, or null). When pf is not null it prefetches a share of the next
+// strip, pf_step bytes a step of k, as S streams of K / S steps each, taken in turn.
+template <int R, typename W, bool Keep = false, int S = 1>
 inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const char* pf, int64_t pf_step, float* kept = nullptr) {
   V acc[R][kPer];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPer; ++c) acc[r][c] = L::zero();
+  int64_t k = 0;
   const W* p = w;
-  for (int64_t k = 0; k < K; ++k, p += kStep<W>) {
-    if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
-    V b[kPer];
-    load_strip(p, b);
-    if constexpr (Keep)  // the strip's weights as float32, for the row blocks after this one
-      for (int c = 0; c < kPer; ++c) L::store(kept + k * kStrip + c * kW, b[c]);
+  if constexpr (S == 1) {
+    for (; k < K; ++k, p += kStep<W>) {
+      if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
+      V b[kPer];
+      load_strip(p, b);
+      if constexpr (Keep)  // the strip's weights as float32, for the row blocks after this one
+        for (int c = 0; c < kPer; ++c) L::store(kept + k * kStrip + c * kW, b[c]);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const V a = L::set(x[r * ldx + k]);
-      for (int c = 0; c < kPer; ++c) acc[r][c] = L::fma(a, b[c], acc[r][c]);
+      for (int r = 0; r < R; ++r) {
+        const V a = L::set(x[r * ldx + k]);
+        for (int c = 0; c < kPer; ++c) acc[r][c] = L::fma(a, b[c], acc[r][c]);
+      }
     }
+  } else {
+    static_assert(!Keep, "strips read as streams keep no widened words");
+    const auto step = [&](int64_t k, const W* p) __attribute__((always_inline)) {
+      V b[kPer];
+      load_strip(p, b);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V a = L::set(x[r * ldx + k]);
+        for (int c = 0; c < kPer; ++c) acc[r][c] = L::fma(a, b[c], acc[r][c]);
+      }
+    };
+    if (pf) {
+      const int64_t part = pf_step * (K / S);  // bytes of each stream
+      for (const char* at = pf; k + S <= K; k += S, at += pf_step)
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s, p += kStep<W>) {
+          __builtin_prefetch(at + s * part, 0, 2);
+          if (pf_step > kLine) __builtin_prefetch(at + s * part + kLine, 0, 2);  // float32 strips, one block
+          step(k + s, p);
+        }
+    }
+    for (; k < K; ++k, p += kStep<W>) step(k, p);
   }
   for (int c = 0; c < kPer; ++c) {
     const int at = c * kW;
@@ -99,12 +132,12 @@ inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const
 }
 
 // rows_block for a run-time row count 1 .. R.
-template <typename W, bool Keep = false, int R = kRows<W>>
+template <typename W, bool Keep = false, int S = 1, int R = kRows<W>>
 inline void rows_any(int rows, const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
                      int64_t ldy, const char* pf, int64_t pf_step, float* kept = nullptr) {
   if constexpr (R > 0) {
-    if (rows == R) return rows_block<R, W, Keep>(x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
-    rows_any<W, Keep, R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
+    if (rows == R) return rows_block<R, W, Keep, S>(x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
+    rows_any<W, Keep, S, R - 1>(rows, x, ldx, w, K, bias, y, ldy, pf, pf_step, kept);
   }
 }
 
@@ -134,14 +167,16 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
       pf = reinterpret_cast<const char*>(next) + lo * kLine;
       step = std::max<int64_t>(1, ((hi - lo) * kLine + K - 1) / K);  // bytes per step of k
     }
-    if (!kept)
+    if (blocks <= kStreamsUpTo)  // (then kept is null: kKeepFrom > kStreamsUpTo)
+      rows_any<W, false, kStreams>(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
+    else if (!kept)
       rows_any(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step);
     else if constexpr (!std::is_same_v<W, float>) {  // float32 strips keep nothing
       if (b == 0)
         rows_any<W, true>(n, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, pf, step, kept);
       else
-        rows_any<float, false, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias,
-                                         y + m * ldy, ldy, pf, step);
+        rows_any<float, false, 1, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias,
+                                            y + m * ldy, ldy, pf, step);
     }
     m += n;
   }
