@@ -55,9 +55,9 @@ constexpr int64_t kLine = 64;                // bytes per cache line
 constexpr int64_t kKeepFrom = 3;             // register blocks per strip from which its words are widened once
 // Where a product is bound by streaming its weights (a query's few rows: up to two register blocks on AVX-512, one
 // where the FMAs take twice as long), each strip prefetches the next as kStreams streams, each a part of it, taken
-// in turn: the caches' own prefetchers then follow several streams, which read more per core than one (8 rows
-// 0.81x the time, 15 rows 0.86-0.95x; benchmarks/NOTES.md). Taller strips' blocks each prefetch a small share of
-// the next, as one stream.
+// in turn: the caches' own prefetchers then follow several streams, which read more per core than one (the products
+// of a query's 8 rows 0.80x the time, 15 rows 0.85-0.86x; benchmarks/NOTES.md). Taller strips' blocks each prefetch
+// a small share of the next, as one stream.
 constexpr int kStreams = 4;
 constexpr int64_t kStreamsUpTo = kW == 16 ? 2 : 1;  // register blocks per strip up to which the next is streams
 static_assert(kStreamsUpTo < kKeepFrom, "a strip read as streams keeps no widened words");
