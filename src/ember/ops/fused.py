@@ -44,7 +44,10 @@ the ninth such model in a process (several served with --models, or a test run),
 fallback."""
 
 
-REGION_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
+InductorOptions = dict[str, str | int | bool | Callable[..., Any]]
+"""What torch.compile's `options` takes: inductor's config names and values."""
+
+REGION_OPTIONS: InductorOptions = {
     "cpp_wrapper": True,
     "cpp_wrapper_build_separate": True,
 }
@@ -73,7 +76,7 @@ class Fused:
         self,
         fn: Callable[..., Any],
         when: Callable[[Any], bool] | None = None,
-        options: dict[str, str | int | bool | Callable[..., Any]] | None = None,
+        options: InductorOptions | None = None,
     ) -> None:
         self.fn = fn
         self.when = when

@@ -87,7 +87,7 @@ inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, const
     for (int c = 0; c < kPer; ++c) acc[r][c] = L::zero();
   int64_t k = 0;
   const W* p = w;
-  if constexpr (S == 1) {
+  if constexpr (S == 1) {  // written out, as every batch of three blocks or more has always run it
     for (; k < K; ++k, p += kStep<W>) {
       if (pf) __builtin_prefetch(pf + k * pf_step, 0, 2);
       V b[kPer];
