@@ -82,7 +82,7 @@ def _bf16_layer(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 7, 15, 64, PANEL + 7])
+@pytest.mark.parametrize("rows", [1, 7, 15, 28, 52, 53, 64, PANEL + 7])  # 15 to 52: blocks of at most 13 rows
 @pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (1024, 32, False), (203, 128, True)])
 def test_bf16_words_match_float64(kernel, rows, k, n, bias):
     """The same product on a bf16 checkpoint's weights in strips of bf16 words: the bf16 values, widened exactly."""

@@ -50,6 +50,20 @@ constexpr int kStrip = kPer * kW;         // output channels per strip: one regi
 // stream twice the bytes, and their taller blocks prefetched too fast for a query's rows.
 template <typename W>
 constexpr int kRows = kW == 16 ? (std::is_same_v<W, float> ? 12 : 15) : 6;
+// bf16 words' blocks of 14 or 15 rows run out of AVX-512's registers (30 sums, two widened registers, the mask and
+// a row's value) and spill, which costs more than one more, shorter block where a product's rows are few: up to
+// kShortUpTo rows, their blocks take at most kShortRows (products of 15 rows 0.89-0.91x the time, 28-30 rows
+// 0.87-0.94x; benchmarks/NOTES.md). Taller products keep blocks of 15 (at 256 rows, blocks of 13 took 1.00-1.09x).
+// AVX2's blocks of 6 do not spill (blocks of 5 took up to 1.5x).
+constexpr int kShortRows = 13;
+constexpr int64_t kShortUpTo = 4 * kShortRows;
+
+// Rows per register block at most, for a product of M rows.
+template <typename W>
+constexpr int64_t block_rows(int64_t M) {
+  return kW == 16 && std::is_same_v<W, uint32_t> && M <= kShortUpTo ? kShortRows : kRows<W>;
+}
+
 constexpr int64_t kPanel = 256;              // rows per pass over the weights (x's panel stays in L2/L3)
 constexpr int64_t kLine = 64;                // bytes per cache line
 constexpr int64_t kKeepFrom = 3;             // register blocks per strip from which its words are widened once
@@ -155,7 +169,7 @@ inline float* widened(int64_t K) {
 template <typename W>
 inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const W* next) {
-  const int64_t blocks = (M + kRows<W> - 1) / kRows<W>;
+  const int64_t blocks = (M + block_rows<W>(M) - 1) / block_rows<W>(M);
   const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
   float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom ? nullptr : widened(K);
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
