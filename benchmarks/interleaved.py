@@ -15,8 +15,9 @@ The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on t
 oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), and vLLM's own
 kernel library and attention picked for the tier (serve_vllm.sh, harness/vllm_tier), so an AMX Xeon measures what
 an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
-rate over the model's FLOPs per token) is probed under the same cap before the servers start, and each
-workload's ember rate is given as a fraction of it.
+rate over the model's FLOPs per token) is probed under the same cap before the servers start and again after they
+stop, and each workload's ember rate is given as a fraction of the higher of the two (a probe in a slow minute of
+the host would otherwise read a low limit, and ember a high fraction of it).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main() -> None:
 
         os.environ["EMBER_MAX_ISA"] = args.tier  # inherited by both servers and the probe
         os.environ.update(isa_env(args.tier))  # oneDNN, MKL, ATen and inductor's cache, for the peer too
-    limit = _compute_limit(args.dtype)
-    print(f"compute limit: {limit['tokens_per_s']:.0f} tok/s ({limit['gflops']:.0f} G(FL)OPS)", flush=True)
+    before = _compute_limit(args.dtype)
+    print(f"compute limit: {before['tokens_per_s']:.0f} tok/s ({before['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
     extra = [
         "--dtype",
@@ -104,6 +105,9 @@ def main() -> None:
     finally:
         stop(ours)
         stop(peer)
+    after = _compute_limit(args.dtype)
+    limit = max(before, after, key=lambda x: x["gflops"])
+    print(f"compute limit probed again: {after['gflops']:.0f} G(FL)OPS; the limit taken: {limit['gflops']:.0f}")
     rss = ours_rss.bytes / 2**30
     print(f"\nember: ready {ours_ready:.1f} s (fused kernels at {ours_kernels:.1f} s), peak RSS {rss:.2f} GiB")
     print(f"peer:  ready {peer_ready:.1f} s, peak RSS of its processes {peer_rss.bytes / 2**30:.2f} GiB")
@@ -139,6 +143,7 @@ def main() -> None:
                 "cpu": cpu_description(),
                 "tier": args.tier or "uncapped",
                 "compute_limit": limit,
+                "compute_limit_probes_gflops": [before["gflops"], after["gflops"]],
                 "ember": {
                     "dtype": args.dtype,
                     "ready_s": ours_ready,
