@@ -169,7 +169,7 @@ inline float* widened(int64_t K) {
 template <typename W>
 inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, const W* next) {
-  const int64_t blocks = (M + block_rows<W>(M) - 1) / block_rows<W>(M);
+  const int64_t most = block_rows<W>(M), blocks = (M + most - 1) / most;
   const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
   float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom ? nullptr : widened(K);
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
