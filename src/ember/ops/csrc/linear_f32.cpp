@@ -14,7 +14,8 @@
 // A bf16 checkpoint's weights can stay bf16 in the same strips, as pack_bf16's words (channel d in the low half of
 // word d, channel d + kW in its high half), widened in registers by a shift and a mask as they are read
 // (ember::linear_f32h): half the bytes, the same sums. Where a strip's rows take three register blocks or more, the
-// first block keeps the widened floats (in L2) for the others, so each word is widened once per strip and pass.
+// first block keeps the widened floats (in L2) for the others, so each word is widened once per strip and pass
+// (except on AMD's Zen with 8 lanes, where widening is cheaper than keeping: kKeepFrom).
 // On a Zen 3 EPYC, 28 layers' matrices in turn: 2.0x at one row (streaming-bound), 0.97-1.02x from 15 rows to 2,048
 // (benchmarks/NOTES.md).
 // int8 layers (ember.ops.quant) on CPUs without VNNI or AMX hold their int8 weights in the same strips and widen
@@ -66,7 +67,18 @@ constexpr int64_t block_rows(int64_t M) {
 
 constexpr int64_t kPanel = 256;              // rows per pass over the weights (x's panel stays in L2/L3)
 constexpr int64_t kLine = 64;                // bytes per cache line
-constexpr int64_t kKeepFrom = 3;             // register blocks per strip from which its words are widened once
+// Register blocks per strip from which its words are widened once (kept by the first block for the others). Not
+// for bf16 words on AMD's Zen cores with 8 lanes: there each block widening its own words took 0.90-0.95x the time
+// of keeping them (whole forwards of 15-24 tokens; products of 256 rows 0.91x, 8 x 20 tokens and 1,024 rows level):
+// the shift and the mask go to pipes the FMAs leave free, where keeping costs a store and a second load every step
+// of k (benchmarks/NOTES.md). int8 words (four instructions to widen) and other 8-lane builds keep them.
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr bool kZen = true;
+#else
+constexpr bool kZen = false;
+#endif
+template <typename W>
+constexpr int64_t kKeepFrom = kW == 8 && kZen && std::is_same_v<W, uint32_t> ? INT64_MAX : 3;
 // Where a product is bound by streaming its weights (a query's few rows: up to two register blocks on AVX-512, one
 // where the FMAs take twice as long), each strip prefetches the next as kStreams streams, each a part of it, taken
 // in turn: the caches' own prefetchers then follow several streams, which read more per core than one (the products
@@ -74,7 +86,8 @@ constexpr int64_t kKeepFrom = 3;             // register blocks per strip from w
 // a small share of the next, as one stream.
 constexpr int kStreams = 4;
 constexpr int64_t kStreamsUpTo = kW == 16 ? 2 : 1;  // register blocks per strip up to which the next is streams
-static_assert(kStreamsUpTo < kKeepFrom, "a strip read as streams keeps no widened words");
+static_assert(kStreamsUpTo < kKeepFrom<int8_t> && kStreamsUpTo < kKeepFrom<uint32_t>,
+              "a strip read as streams keeps no widened words");
 
 template <typename W>
 constexpr int64_t kStep = std::is_same_v<W, uint32_t> ? kW : kStrip;  // W elements per input k of a strip
@@ -171,7 +184,7 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
                        int64_t ldy, const W* next) {
   const int64_t most = block_rows<W>(M), blocks = (M + most - 1) / most;
   const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
-  float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom ? nullptr : widened(K);
+  float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom<W> ? nullptr : widened(K);
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
     const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
     const char* pf = nullptr;
