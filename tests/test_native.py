@@ -105,6 +105,34 @@ def test_matches_float64_attention(
     assert cos.min().item() > (0.9999 if dtype == torch.bfloat16 else 0.9999999)
 
 
+def _fixed_blocks(kernel: ctypes.CDLL, q, k, v, seqlens: list[int], causal: bool, blocks: int):  # type: ignore[no-untyped-def]
+    """The kernel through its C entry point with one block shape (its code `blocks`): (status, output)."""
+    entry = kernel.ember_attention if q.dtype == torch.bfloat16 else kernel.ember_attention_f32
+    out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype)
+    cu = attention.seq_offsets(seqlens)
+    status = entry(
+        *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, out, cu)), ctypes.c_int64(len(seqlens)),
+        *(ctypes.c_int64(n) for n in (q.shape[1], k.shape[1], q.shape[2], q.stride(0), k.stride(0), v.stride(0))),
+        ctypes.c_int(int(causal)), ctypes.c_int64(-1), ctypes.c_float(q.shape[2] ** -0.5), ctypes.c_int(blocks),
+    )  # fmt: skip
+    return status, out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_block_shape_computes_the_same_attention(kernel: ctypes.CDLL, causal: bool, dtype: torch.dtype) -> None:
+    """Each block shape the kernel chooses from (32 x 32 to 64 x 256, and 128 x 128, which long inputs take on AMD
+    Zen 1-3), forced on one batch: float64 attention's result whatever this CPU's lengths would pick."""
+    _runs(dtype)
+    seqlens = [300, 70, 5, 129]
+    q, k, v = _packed(seqlens, 4, 2, 64, seed=11, dtype=dtype)
+    want = _reference(q, k, v, seqlens, causal)
+    for blocks in range(5):  # 32 x 32, 32 x 64, 32 x 128, 64 x 256, 128 x 128
+        status, out = _fixed_blocks(kernel, q, k, v, seqlens, causal, blocks)
+        assert status == 0 and _close(out, want, dtype), blocks
+    assert _fixed_blocks(kernel, q, k, v, seqlens, causal, 5)[0] == 1  # no such shape
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_late_key_far_above_the_earlier_ones(kernel: ctypes.CDLL, causal: bool, dtype: torch.dtype) -> None:

@@ -36,7 +36,7 @@ from ember.ops.window import local_attention  # noqa: E402
 
 # heads (query/kv/size) : batches (count x length, or a length), Qwen3-0.6B's and all-MiniLM-L6-v2's heads
 DEFAULT = "16/8/128:8x21,16x64,4x512,2x1024,2048,8000;12/12/32:8x20,32x200"
-_BLOCKS = ("32x32", "32x64", "32x128", "64x256")
+_BLOCKS = ("32x32", "32x64", "32x128", "64x256", "128x128")
 
 
 def _batch(spec: str) -> list[int]:

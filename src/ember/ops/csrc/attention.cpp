@@ -24,7 +24,8 @@
 //   - blocks sized to the batch (query rows x keys): 32 x 32 for short sequences (a query of 20 tokens
 //     computes 1/4 of a 64 x 64 block's work), 32 x 64, 32 x 128 (a work item's scores, probabilities and
 //     output rows stay in L1), and 64 x 256 for long ones (each item streams every key block before it,
-//     so from ~6,000 tokens taller items read the keys and values from memory half as often); a partly
+//     so from ~6,000 tokens taller items read the keys and values from memory half as often; 128 x 128 from
+//     ~3,000 on AMD Zen 1-3); a partly
 //     empty key block (the end of a sequence, or the diagonal) is computed only up to the next multiple
 //     of 32 keys, and the first block's P V writes the output rows instead of adding to zeros.
 // One parallel region per call: the threads first pack K and V of the whole batch (into a buffer freed
@@ -643,6 +644,14 @@ void attend(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64
   });
 }
 
+// From kTallFrom keys (the longest sequence, or window) a call's blocks are kTall: 64 x 256 (code 3), or 128 x 128
+// (code 4) on AMD's Zen cores with 8 lanes (Zen 1-3), where items of 128 query rows, which stream every key block
+// before them half as often, took 0.83-0.85x the time of 64 x 256 at 4,096-8,000 tokens and were level with 32 x 128
+// at 2,560-3,072 (a Zen 3 EPYC, float32; benchmarks/NOTES.md). Elsewhere 64 x 256 from 6,144 keys, as measured there.
+constexpr bool kTallRows = EMBER_ZEN && !EMBER_F32X16;
+constexpr int64_t kTallFrom = kTallRows ? 3072 : 6144;
+constexpr int kTall = kTallRows ? 4 : 3;
+
 // One call of `attend` for the block shape `blocks` names (-1: chosen by the longest sequence); ember_attention's
 // return codes.
 template <typename T>
@@ -653,7 +662,7 @@ int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t n
     int64_t longest = 0;
     for (int64_t s = 0; s < nseq; ++s) longest = std::max(longest, cu[s + 1] - cu[s]);
     if (window >= 0) longest = std::min(longest, window + 1);  // measured: a window of 64 runs best on 32 x 64
-    blocks = longest < 64 ? 0 : longest < 128 ? 1 : longest < 6144 ? 2 : 3;
+    blocks = longest < 64 ? 0 : longest < 128 ? 1 : longest < kTallFrom ? 2 : kTall;
   }
   const bool c = causal != 0;
   try {  // no exception may cross into ctypes (it would terminate the process)
@@ -662,6 +671,7 @@ int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t n
       case 1: attend<T, 32, 64>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
       case 2: attend<T, 32, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
       case 3: attend<T, 64, 256>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
+      case 4: attend<T, 128, 128>(q, k, v, out, cu, nseq, hq, hkv, d, sq, sk, sv, c, window, scale); break;
       default: return 1;
     }
   } catch (const std::bad_alloc&) {
@@ -696,8 +706,8 @@ const char* ember_attention_isa() {
 // q: (T, Hq, D), k, v: (T, Hkv, D) with token strides sq, sk, sv (elements; heads contiguous), float32.
 // out: (T, Hq, D) contiguous. cu: nseq + 1 sequence offsets. window >= 0: a query sees only the keys of its sequence
 // within `window` positions of it (local attention: ModernBERT's and EmbeddingGemma's sliding layers); -1: all.
-// blocks (query rows x keys): 0 for 32 x 32, 1 for 32 x 64, 2 for 32 x 128, 3 for 64 x 256, -1 to choose by the
-// longest sequence (or window): each is the fastest measured below 64, 128, 6,144 keys and beyond
+// blocks (query rows x keys): 0 for 32 x 32, 1 for 32 x 64, 2 for 32 x 128, 3 for 64 x 256, 4 for 128 x 128, -1 to
+// choose by the longest sequence (or window): each is the fastest measured below 64, 128, kTallFrom keys and beyond
 // (benchmarks/NOTES.md).
 // Returns 0; 1 for unsupported shapes; 2 when its buffers cannot be allocated.
 int ember_attention_f32(const float* q, const float* k, const float* v, float* out, const int64_t* cu, int64_t nseq,

@@ -72,11 +72,7 @@ constexpr int64_t kLine = 64;                // bytes per cache line
 // of keeping them (whole forwards of 15-24 tokens; products of 256 rows 0.91x, 8 x 20 tokens and 1,024 rows level):
 // the shift and the mask go to pipes the FMAs leave free, where keeping costs a store and a second load every step
 // of k (benchmarks/NOTES.md). int8 words (four instructions to widen) and other 8-lane builds keep them.
-#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-constexpr bool kZen = true;
-#else
-constexpr bool kZen = false;
-#endif
+constexpr bool kZen = EMBER_ZEN;
 template <typename W>
 constexpr int64_t kKeepFrom = kW == 8 && kZen && std::is_same_v<W, uint32_t> ? INT64_MAX : 3;
 // Where a product is bound by streaming its weights (a query's few rows: up to two register blocks on AVX-512, one
