@@ -108,7 +108,7 @@ def test_matches_float64_attention(
 def _fixed_blocks(kernel: ctypes.CDLL, q, k, v, seqlens: list[int], causal: bool, blocks: int):  # type: ignore[no-untyped-def]
     """The kernel through its C entry point with one block shape (its code `blocks`): (status, output)."""
     entry = kernel.ember_attention if q.dtype == torch.bfloat16 else kernel.ember_attention_f32
-    out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # contiguous (T, Hq, D), as the kernel writes it
     cu = attention.seq_offsets(seqlens)
     status = entry(
         *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v, out, cu)), ctypes.c_int64(len(seqlens)),
