@@ -15,9 +15,12 @@ The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on t
 oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), and vLLM's own
 kernel library and attention picked for the tier (serve_vllm.sh, harness/vllm_tier), so an AMX Xeon measures what
 an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
-rate over the model's FLOPs per token) is probed under the same cap before the servers start and again after they
-stop, and each workload's ember rate is given as a fraction of the higher of the two (a probe in a slow minute of
-the host would otherwise read a low limit, and ember a high fraction of it).
+rate over the model's FLOPs per token) is probed under the same cap before the servers start, between every two
+rounds with both servers frozen, and after they stop. Each round's ember rate is taken as a fraction of the higher
+of the two probes either side of it, and a workload's fraction is the median over its rounds: the host's speed
+moves by a third within a run, so one probe for the whole run read ember at 0.82 or 1.07 of the limit in the same
+run. The fraction against the highest probe of the run is kept beside it. For the one-query workload the inverse
+of the fraction is the p50 request's time over the GEMM floor (the query's FLOPs at the probed rate).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -88,10 +92,13 @@ def main() -> None:
         raise
     servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}
     results: dict[str, dict[str, list[Result]]] = {k: {"ember": [], "peer": []} for k, _ in plan}
+    probes: dict[str, list[dict[str, float]]] = {k: [] for k, _ in plan}  # before each round of a workload
     try:
         with PeakRss(ours.pid) as ours_rss, PeakRss(peer.pid) as peer_rss:
             for key, rounds in plan:
                 for r in range(rounds):
+                    with frozen(ours.pid), frozen(peer.pid):  # neither server takes CPU from the probe
+                        probes[key].append(_compute_limit(args.dtype))
                     order = ["ember", "peer"] if r % 2 == 0 else ["peer", "ember"]
                     for who in order:
                         url, model = servers[who]
@@ -106,8 +113,12 @@ def main() -> None:
         stop(ours)
         stop(peer)
     after = _compute_limit(args.dtype)
-    limit = max(before, after, key=lambda x: x["gflops"])
-    print(f"compute limit probed again: {after['gflops']:.0f} G(FL)OPS; the limit taken: {limit['gflops']:.0f}")
+    for (key, _), (next_key, _) in zip(plan, [*plan[1:], (None, 0)], strict=True):
+        probes[key].append(probes[next_key][0] if next_key else after)  # the probe after a workload's last round
+    every = [before, after] + [p for ps in probes.values() for p in ps]
+    limit = max(every, key=lambda x: x["gflops"])
+    low = min(p["gflops"] for p in every)
+    print(f"compute limit probed {len(every)} times: {low:.0f} - {limit['gflops']:.0f} G(FL)OPS")
     rss = ours_rss.bytes / 2**30
     print(f"\nember: ready {ours_ready:.1f} s (fused kernels at {ours_kernels:.1f} s), peak RSS {rss:.2f} GiB")
     print(f"peer:  ready {peer_ready:.1f} s, peak RSS of its processes {peer_rss.bytes / 2**30:.2f} GiB")
@@ -116,9 +127,14 @@ def main() -> None:
     for key, _ in plan:
         e, p = results[key]["ember"], results[key]["peer"]
         ratios = [a.tokens_per_s / b.tokens_per_s for a, b in zip(e, p, strict=True)]
+        near = [max(a, b, key=lambda x: x["gflops"]) for a, b in itertools.pairwise(probes[key])]
+        fractions = [x.tokens_per_s / lim["tokens_per_s"] for x, lim in zip(e, near, strict=True)]
         row = {
             "key": key,
-            "ember_fraction_of_limit": statistics.median(x.tokens_per_s for x in e) / limit["tokens_per_s"],
+            "ember_fraction_of_limit": statistics.median(fractions),  # each round against the probes either side
+            "ember_fractions_of_limit": fractions,
+            "ember_fraction_of_highest_limit": statistics.median(x.tokens_per_s for x in e) / limit["tokens_per_s"],
+            "probes_gflops": [x["gflops"] for x in probes[key]],
             "ember_tokens_per_s": [x.tokens_per_s for x in e],
             "peer_tokens_per_s": [x.tokens_per_s for x in p],
             "ember_p50_ms": [x.p50_ms for x in e],
@@ -134,7 +150,8 @@ def main() -> None:
             f"{WORKLOADS[key].name:55s} {statistics.median(row['ember_tokens_per_s']):11.0f} "
             f"{statistics.median(row['peer_tokens_per_s']):10.0f} {statistics.median(ratios):25.2f}  "
             f"p50 {statistics.median(row['ember_p50_ms']):.0f} vs {statistics.median(row['peer_p50_ms']):.0f} ms, "
-            f"ember at {row['ember_fraction_of_limit']:.2f} of the limit"
+            f"ember at {row['ember_fraction_of_limit']:.2f} of the limit "
+            f"({row['ember_fraction_of_highest_limit']:.2f} of the run's highest)"
         )
     out = Path(args.out) if args.out else ROOT / f"benchmarks/results/interleaved-{args.dtype}.json"
     out.write_text(
@@ -143,7 +160,7 @@ def main() -> None:
                 "cpu": cpu_description(),
                 "tier": args.tier or "uncapped",
                 "compute_limit": limit,
-                "compute_limit_probes_gflops": [before["gflops"], after["gflops"]],
+                "compute_limit_probes_gflops": [x["gflops"] for x in every],
                 "ember": {
                     "dtype": args.dtype,
                     "ready_s": ours_ready,
