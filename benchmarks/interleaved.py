@@ -20,7 +20,7 @@ rounds with both servers frozen, and after they stop. Each round's ember rate is
 of the two probes either side of it, and a workload's fraction is the median over its rounds: the host's speed
 moves by a third within a run, so one probe for the whole run read ember at 0.82 or 1.07 of the limit in the same
 run. The fraction against the highest probe of the run is kept beside it. For the one-query workload the inverse
-of the fraction is the p50 request's time over the GEMM floor (the query's FLOPs at the probed rate).
+of the fraction is a request's mean time over the GEMM floor (the query's FLOPs at the probed rate).
 """
 
 from __future__ import annotations

@@ -79,15 +79,18 @@ struct Item {
 };
 
 // Where A's rows are, 16 at a time: tile t (rows 16 t .. 16 t + 15) starts at row[t], its rows ld[t]
-// elements apart; or all of A at one pointer with one row stride.
+// elements apart; or all of A at one pointer with one row stride. live[t]: how many of tile t's rows, from its
+// first, are its sequence's (the rest is padding, whose rows of C the products may skip; null: all 16).
 template <typename T>
 struct RowTiles {
   const T* const* row;
   const int64_t* ld;
   const T* a;
   int64_t lda;
+  const uint8_t* live = nullptr;
   const T* start(int64_t t) const { return row ? row[t] : a + t * 16 * lda; }
   int64_t stride(int64_t t) const { return row ? ld[t] : lda; }
+  int rows(int64_t t) const { return live ? live[t] : 16; }
 };
 
 // ---- float32 ----------------------------------------------------------------------------------------------------
@@ -159,24 +162,28 @@ inline void rows_block(const float* const* a, const float* b, int64_t K, int64_t
   }
 }
 
-// The 32 rows at `row` times one strip of B, as F32Lanes::Split's blocks.
+// The 32 rows at `row` times one strip of B, as F32Lanes::Split's blocks; those starting at `live` or later (all
+// padding) are skipped.
 template <bool Accumulate, int... Rows>
-inline void rows_32(std::integer_sequence<int, Rows...>, const float* const* row, const float* b, int64_t K,
-                    int64_t ldb, float* c, int64_t ldc) {
+inline void rows_32(std::integer_sequence<int, Rows...>, int live, const float* const* row, const float* b,
+                    int64_t K, int64_t ldb, float* c, int64_t ldc) {
   int r = 0;
-  ((rows_block<Rows, Accumulate>(row + r, b, K, ldb, c + r * ldc, ldc), r += Rows), ...);
+  ((r < live ? rows_block<Rows, Accumulate>(row + r, b, K, ldb, c + r * ldc, ldc) : void(), r += Rows), ...);
 }
 
 // C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
-// multiples of 32. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them.
+// multiples of 32. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them. Register
+// blocks of padding rows are skipped (a query of 15 tokens in blocks of 32 rows computes 18 of them).
 template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
+    const int first = A.rows(i / 16), live = first < 16 ? first : 16 + A.rows(i / 16 + 1);
+    if (live == 0) continue;
     const float* row[32];
     for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
     for (int64_t j = 0; j < N; j += 2 * kW)
-      rows_32<Accumulate>(F32Lanes::Split{}, row, B + j, K, ldb, C + i * ldc + j, ldc);
+      rows_32<Accumulate>(F32Lanes::Split{}, live, row, B + j, K, ldb, C + i * ldc + j, ldc);
   }
 }
 
@@ -265,6 +272,7 @@ template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const bf16* B, int64_t ldb, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
+    if (A.rows(i / 16) == 0) continue;  // (then the second tile is padding too)
     const bf16 *a0 = A.start(i / 16), *a1 = A.start(i / 16 + 1);
     const int64_t s0 = A.stride(i / 16) * 2, s1 = A.stride(i / 16 + 1) * 2;
     for (int64_t j = 0; j < N; j += 32) {
@@ -310,6 +318,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const b
   constexpr int R = 8;  // divides 16: a row block lies inside one of A's 16-row tiles
   for (int64_t j = 0; j < N; j += 32) {
     for (int64_t i = 0; i < M; i += R) {
+      if (i % 16 >= A.rows(i / 16)) continue;  // padding rows only
       const int64_t lda = A.stride(i / 16);
       const bf16* a = A.start(i / 16) + (i % 16) * lda;
       float* c = C + i * ldc + j;
@@ -473,9 +482,11 @@ struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<const T*> qrow;  // where each 16-row tile of the item's queries is read from
   std::vector<int64_t> qld;
+  std::vector<uint8_t> live;  // how many of each 16-row tile's rows are the sequence's
   void resize(int64_t rows, int64_t keys, int64_t d) {
     qbuf.resize(rows * d), probs.resize(rows * keys), scores.resize(rows * keys), acc.resize(rows * d);
     row_max.resize(rows), row_sum.resize(rows * 16), qrow.resize(rows / 16), qld.resize(rows / 16);
+    live.resize(rows / 16);
   }
 };
 template <typename T>
@@ -539,13 +550,14 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   // row x = head (g * group + x / BM), token m0 + x % BM. bf16 query tiles are read in place where all 16
   // rows are the sequence's; float32 ones are always copied (in place, rows the projection's stride apart fall
   // into a few L1 sets); a tile the sequence ends inside is copied and zero padded, and one past its end reads
-  // the first tile again (its rows' results are never used).
+  // the first tile again. The products skip what they can of the padding rows (their results are never used).
   for (int64_t t = 0; t < rows_all / 16; ++t) {
     const int64_t h = g * a.group + t * 16 / BM, r0 = t * 16 % BM;
     const T* src = a.q + (a.cu[s] + m0 + r0) * a.sq + h * d;
+    w.live[t] = uint8_t(std::clamp<int64_t>(rows - r0, 0, 16));
     if (std::is_same_v<T, bf16> && r0 + 16 <= rows) {
       w.qrow[t] = src, w.qld[t] = a.sq;
-    } else if (r0 < rows || !std::is_same_v<T, bf16>) {
+    } else if (r0 < rows) {
       T* dst = w.qbuf.data() + t * 16 * d;
       for (int64_t r = 0; r < 16; ++r) {
         if (r0 + r < rows) std::memcpy(dst + r * d, src + r * a.sq, d * sizeof(T));
@@ -558,8 +570,8 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   }
   std::fill(w.row_max.begin(), w.row_max.begin() + rows_all, kNegInf);
   std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_all * 16, 0.f);
-  const RowTiles<T> queries{w.qrow.data(), w.qld.data(), nullptr, 0};
-  const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN};
+  const RowTiles<T> queries{w.qrow.data(), w.qld.data(), nullptr, 0, w.live.data()};
+  const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN, w.live.data()};
   const int64_t ahead = a.causal ? 1 : a.window >= 0 ? a.window + 1 : len;  // a row sees the keys before row + ahead
   for (int64_t b = item.kvfirst; b < item.kvfirst + item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
