@@ -113,9 +113,9 @@ def main() -> None:
         stop(ours)
         stop(peer)
     after = _compute_limit(args.dtype)
+    every = [before, *(p for ps in probes.values() for p in ps), after]  # each probe once
     for (key, _), (next_key, _) in zip(plan, [*plan[1:], (None, 0)], strict=True):
         probes[key].append(probes[next_key][0] if next_key else after)  # the probe after a workload's last round
-    every = [before, after] + [p for ps in probes.values() for p in ps]
     limit = max(every, key=lambda x: x["gflops"])
     low = min(p["gflops"] for p in every)
     print(f"compute limit probed {len(every)} times: {low:.0f} - {limit['gflops']:.0f} G(FL)OPS")
