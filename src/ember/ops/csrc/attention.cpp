@@ -171,11 +171,13 @@ inline void rows_32(std::integer_sequence<int, Rows...>, int live, const float* 
   ((r < live ? rows_block<Rows, Accumulate>(row + r, b, K, ldb, c + r * ldc, ldc) : void(), r += Rows), ...);
 }
 
-// C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N, row stride ldb). M, N, K are
-// multiples of 32. Rows outside, column strips inside: 32 rows of A stay in L1 while B passes them. Register
-// blocks of padding rows are skipped (a query of 15 tokens in blocks of 32 rows computes 18 of them).
+// C (M x N fp32, row stride ldc) = or += A (M x K, its rows by RowTiles) x B (K x N), B held in strips of 2 kW
+// columns, each K x 2 kW contiguous and the next `strip` elements on. M, N, K are multiples of 32. Rows outside,
+// column strips inside: 32 rows of A and one strip of B stay in L1 while the register blocks pass them (a strip
+// read out of a row-major B, rows 512 bytes apart, fell into 8 of L1's 64 sets and came from L2 for every block).
+// Register blocks of padding rows are skipped (a query of 15 tokens in blocks of 32 rows computes 18 of them).
 template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t ldb, float* C,
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const float* B, int64_t strip, float* C,
                int64_t ldc) {
   for (int64_t i = 0; i < M; i += 32) {
     const int first = A.rows(i / 16), live = first < 16 ? first : 16 + A.rows(i / 16 + 1);
@@ -183,7 +185,7 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const 
     const float* row[32];
     for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
     for (int64_t j = 0; j < N; j += 2 * kW)
-      rows_32<Accumulate>(F32Lanes::Split{}, live, row, B + j, K, ldb, C + i * ldc + j, ldc);
+      rows_32<Accumulate>(F32Lanes::Split{}, live, row, B + j / (2 * kW) * strip, K, 2 * kW, C + i * ldc + j, ldc);
   }
 }
 
@@ -242,22 +244,26 @@ inline void store_row(const float* o, float* dst, int64_t d, float a) {
   for (int64_t j = 0; j < d; j += 8) store8(dst + j, ember_vec::mul8(load8(o + j), va));
 }
 
-// One key block (N rows of D, zero past `rows`) in the layouts tile_gemm reads: K^T as [D][N] (8 x 8 transposes),
-// V as [N][D].
+// One key block (N rows of D, zero past `rows`) in the layouts tile_gemm reads, strips of 2 kW columns: K^T as
+// [N / 2 kW][D][2 kW] (8 x 8 transposes), V as [D / 2 kW][N][2 kW].
+constexpr int64_t kStripF32 = 2 * kW;
 template <int N>
 void pack_kv(const float* k, const float* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, float* kp, float* vp) {
   for (int64_t n0 = 0; n0 < N; n0 += 8) {
+    float* dst = kp + n0 / kStripF32 * d * kStripF32 + n0 % kStripF32;
     for (int64_t j0 = 0; j0 < d; j0 += 8) {
       f32x8 r[8];
       for (int64_t n = 0; n < 8; ++n) r[n] = n0 + n < rows ? load8(k + (n0 + n) * sk + j0) : ember_vec::zero8();
       ember_vec::transpose8(r);
-      for (int64_t j = 0; j < 8; ++j) store8(kp + (j0 + j) * N + n0, r[j]);
+      for (int64_t j = 0; j < 8; ++j) store8(dst + (j0 + j) * kStripF32, r[j]);
     }
   }
-  for (int64_t n = 0; n < N; ++n) {
-    if (n < rows) std::memcpy(vp + n * d, v + n * sv, d * sizeof(float));
-    else std::memset(vp + n * d, 0, d * sizeof(float));
-  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < d; j += kStripF32) {
+      float* dst = vp + j / kStripF32 * N * kStripF32 + n * kStripF32;
+      if (n < rows) std::memcpy(dst, v + n * sv + j, kStripF32 * sizeof(float));
+      else std::memset(dst, 0, kStripF32 * sizeof(float));
+    }
 }
 
 // ---- bf16, AVX-512 BF16 or AMX ---------------------------------------------------------------------------------
@@ -573,6 +579,9 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   const RowTiles<T> queries{w.qrow.data(), w.qld.data(), nullptr, 0, w.live.data()};
   const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN, w.live.data()};
   const int64_t ahead = a.causal ? 1 : a.window >= 0 ? a.window + 1 : len;  // a row sees the keys before row + ahead
+  // how tile_gemm steps through a packed block: float32's strips (elements from one to the next), bf16's rows
+  constexpr bool kStrips = std::is_same_v<T, float>;
+  const int64_t kstep = kStrips ? d * kStripF32 : BN, vstep = kStrips ? BN * kStripF32 : d;
   for (int64_t b = item.kvfirst; b < item.kvfirst + item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
     // keys this block holds for these rows (the last block of a sequence, of a causal row range or of a window
@@ -580,7 +589,7 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
     const int64_t cols = std::min<int64_t>(BN, len - n0);
     const int64_t need = std::min(cols, m0 + rows - 1 + ahead - n0);
     const int64_t n = (need + 31) / 32 * 32;
-    tile_gemm<false>(rows_all, n, d, queries, a.kpack + i * a.block, BN, w.scores.data(), BN);
+    tile_gemm<false>(rows_all, n, d, queries, a.kpack + i * a.block, kstep, w.scores.data(), BN);
     for (int64_t x = 0; x < rows_all; ++x) {
       const int64_t r = x % BM;
       if (r >= rows) continue;
@@ -596,8 +605,8 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
       if (b > item.kvfirst && factor != 1.f) scale_row(w.acc.data() + x * d, d, factor);
     }
     const T* vb = a.vpack + i * a.block;
-    if (b == item.kvfirst) tile_gemm<false>(rows_all, d, n, probs, vb, d, w.acc.data(), d);  // writes the rows
-    else tile_gemm<true>(rows_all, d, n, probs, vb, d, w.acc.data(), d);
+    if (b == item.kvfirst) tile_gemm<false>(rows_all, d, n, probs, vb, vstep, w.acc.data(), d);  // writes the rows
+    else tile_gemm<true>(rows_all, d, n, probs, vb, vstep, w.acc.data(), d);
   }
   for (int64_t x = 0; x < rows_all; ++x) {
     const int64_t h = g * a.group + x / BM, r = x % BM;
