@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.ops.attention import group_by_length, varlen_attention
+from ember.ops.attention import group_by_length, rows_attention, varlen_attention
 from ember.ops.linear import ACTIVATIONS, PackedLinear, linear_act, onednn_bf16, pack_linears
 from ember.ops.pooling import pool
 
@@ -33,6 +33,22 @@ def test_packed_attention_equals_per_sequence_reference():
         for causal in (True, False):
             got = varlen_attention(q, k, v, seqlens, causal)
             torch.testing.assert_close(got, _reference(q, k, v, seqlens, causal), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_attention_equals_those_rows_of_the_whole():
+    torch.manual_seed(0)
+    seqlens = [7, 131, 1, 40]
+    T = sum(seqlens)
+    q, k, v = torch.randn(T, 4, 32), torch.randn(T, 2, 32), torch.randn(T, 2, 32)
+    last = torch.tensor([6, 137, 138, 178])  # each sequence's last token
+    some = torch.tensor([0, 7, 100, 138, 150])  # any rows: a first token, a middle one
+    whole = _reference(q, k, v, seqlens, True)
+    for rows in (last, some):
+        got = rows_attention(q, k, v, seqlens, rows)
+        torch.testing.assert_close(got, whole.index_select(0, rows), atol=1e-5, rtol=1e-5)
+    # a row's result does not depend on the batch around it
+    alone = rows_attention(q[7:138], k[7:138], v[7:138], [131], torch.tensor([130]))
+    assert torch.equal(alone[0], rows_attention(q, k, v, seqlens, last)[1])
 
 
 def test_groups_cover_every_sequence_once_and_limit_padding():

@@ -18,7 +18,7 @@ from torch import nn
 from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
-from ember.ops.attention import packed_attention, seq_offsets, varlen_attention
+from ember.ops.attention import packed_attention, rows_attention, seq_offsets, varlen_attention
 from ember.ops.fused import Fused, qk_norm_rope, qk_rope, rms_norm, swiglu
 from ember.ops.linear import StripLinear
 from ember.ops.prefix import PrefixLayout
@@ -135,10 +135,14 @@ class Attention(nn.Module):
             return qk_rope(qkv, self.n_kv, cos, sin)
         return qk_norm_rope(qkv, self.n_kv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
 
-    def attend(self, qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """Attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D)."""
+    def attend(self, qkv: torch.Tensor, seqlens: list[int], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention within each sequence: (T, Hq + 2 Hkv, D) -> (T, Hq * D); with `rows` (causal), those rows'
+        alone, (len(rows), Hq * D)."""
         q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)
-        return varlen_attention(q, k, v, seqlens, causal=self.causal).flatten(1)
+        if rows is not None and self.causal:
+            return rows_attention(q, k, v, seqlens, rows).flatten(1)
+        y = varlen_attention(q, k, v, seqlens, causal=self.causal).flatten(1)
+        return y if rows is None else y.index_select(0, rows)
 
 
 class MLP(nn.Module):
@@ -179,18 +183,19 @@ class Block(nn.Module):
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """With `rows`, only those rows' outputs are wanted (the last layer of a model pooled on each sequence's last
-        token): every row's keys and values still feed attention, then the output projection and the MLP run on
-        `rows` alone, (len(rows), hidden)."""
+        token): every row's keys and values still feed attention, whose queries (causal) and then the output
+        projection and the MLP are `rows` alone, (len(rows), hidden)."""
         # Everything but attention is per token: run it in slices, so a long window never holds
         # more than a slice of intermediates at once (and GEMMs stay in cache).
         qkv = by_token_slices(self._project, x, cos, sin)  # (T, Hq + 2 Hkv, D)
         if shared is None:
-            y = self.self_attn.attend(qkv, seqlens)  # (T, Hq * D)
+            y = self.self_attn.attend(qkv, seqlens, rows)  # (T or len(rows), Hq * D)
         else:  # each continuation attends with its prefix's rows ahead of its own
             y = self.self_attn.attend(qkv.index_select(0, shared.gather), shared.seqlens).index_select(0, shared.keep)
+            y = y if rows is None else y.index_select(0, rows)
         del qkv
         if rows is not None:
-            x, y = x.index_select(0, rows), y.index_select(0, rows)
+            x = x.index_select(0, rows)
         return by_token_slices(self._out_mlp, x, y)
 
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
