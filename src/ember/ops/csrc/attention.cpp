@@ -127,7 +127,7 @@ struct F32Lanes : ember_vec::F32Lanes {
 struct F32Lanes : ember_vec::F32Lanes {
   // 32 rows as 5 x 6 + 2: 12 sums (of AVX2's 16 registers; 24 of NEON's 32), 12 FMAs for 8 loads a step. Where
   // all 32 are the sequence's, 2 x 6 + 4 x 5 instead: the 2-row block's 4 sums cannot keep both FMA pipes busy
-  // (8,000 tokens ~1.06x), and a short tile's rows still end in as few blocks (18 rows: 6 + 6 + 6).
+  // (8,000 tokens 1.00-1.09x), and a short tile's rows still end in as few blocks (18 rows: 6 + 6 + 6).
   using Split = std::integer_sequence<int, 6, 6, 6, 6, 6, 2>;
   using Full = std::integer_sequence<int, 6, 6, 5, 5, 5, 5>;
   static V load_scores(const float* s, int64_t j, int64_t from, int64_t keep) {
