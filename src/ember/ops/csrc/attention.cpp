@@ -138,6 +138,7 @@ struct F32Lanes : ember_vec::F32Lanes {
 #endif
 using FV = F32Lanes::V;
 constexpr int kW = F32Lanes::kWidth;
+constexpr int64_t kStripF32 = 2 * kW;  // columns of B per strip, as tile_gemm reads them and pack_kv lays them out
 
 // R rows x 2W columns of C (row stride ldc) = or += R rows of A (at a[r]) x a strip of B (K x 2W, row stride ldb):
 // 2 R registers of sums; each step broadcasts one of A's columns per row and loads one row of B (two registers).
@@ -188,10 +189,10 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<float>& A, const 
     if (live == 0) continue;
     const float* row[32];
     for (int r = 0; r < 32; ++r) row[r] = A.start((i + r) / 16) + ((i + r) % 16) * A.stride((i + r) / 16);
-    for (int64_t j = 0; j < N; j += 2 * kW) {
-      const float* b = B + j / (2 * kW) * strip;
-      if (live == 32) rows_32<Accumulate>(F32Lanes::Full{}, live, row, b, K, 2 * kW, C + i * ldc + j, ldc);
-      else rows_32<Accumulate>(F32Lanes::Split{}, live, row, b, K, 2 * kW, C + i * ldc + j, ldc);
+    for (int64_t j = 0; j < N; j += kStripF32) {
+      const float* b = B + j / kStripF32 * strip;
+      if (live == 32) rows_32<Accumulate>(F32Lanes::Full{}, live, row, b, K, kStripF32, C + i * ldc + j, ldc);
+      else rows_32<Accumulate>(F32Lanes::Split{}, live, row, b, K, kStripF32, C + i * ldc + j, ldc);
     }
   }
 }
@@ -253,7 +254,6 @@ inline void store_row(const float* o, float* dst, int64_t d, float a) {
 
 // One key block (N rows of D, zero past `rows`) in the layouts tile_gemm reads, strips of 2 kW columns: K^T as
 // [N / 2 kW][D][2 kW] (8 x 8 transposes), V as [D / 2 kW][N][2 kW].
-constexpr int64_t kStripF32 = 2 * kW;
 template <int N>
 void pack_kv(const float* k, const float* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, float* kp, float* vp) {
   for (int64_t n0 = 0; n0 < N; n0 += 8) {
