@@ -210,7 +210,7 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
 // short product's threads split the strips in halves, each prefetching its next strip while it computes one (its
 // weights' stream is what bounds it). From kClaimFrom rows the threads claim kClaim strips at a time from one counter
 // instead, so that a core the host runs slower does not keep the other waiting at the end (on a Zen 3 EPYC, whose
-// two vCPUs' FMA rates differed by up to 40% from minute to minute: products of 64-512 rows 0.84-0.93x the time;
+// two vCPUs' FMA rates differed by up to 40% from minute to minute: products of 64-512 rows 0.84-0.95x the time;
 // benchmarks/NOTES.md). The first strip of a claim is not prefetched; the hardware's prefetchers keep up there.
 constexpr int64_t kClaimFrom = 64;
 constexpr int64_t kClaim = 2;
