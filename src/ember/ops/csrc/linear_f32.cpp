@@ -206,29 +206,24 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
   }
 }
 
-// y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). A
-// short product's threads split the strips in halves, each prefetching its next strip while it computes one (its
-// weights' stream is what bounds it). From kClaimFrom rows the threads claim kClaim strips at a time from one counter
-// instead, so that a core the host runs slower does not keep the other waiting at the end (on a Zen 3 EPYC, whose
-// two vCPUs' FMA rates differed by up to 40% from minute to minute: products of 64-512 rows 0.84-0.95x the time;
-// benchmarks/NOTES.md). The first strip of a claim is not prefetched; the hardware's prefetchers keep up there.
-constexpr int64_t kClaimFrom = 64;
-constexpr int64_t kClaim = 2;
-
+// y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). The
+// threads claim strips one at a time from one counter, each claiming the strip it computes next before it computes
+// the one it holds, so that strip's passes prefetch the next (a query's products are bound by that stream) and a
+// core the host runs slower takes fewer strips instead of keeping the other waiting at the end: the two vCPUs of a
+// Zen 3 EPYC differed by up to 40% in FMA rate from minute to minute. Against fixed halves: products of 15 rows
+// 0.83-0.97x the time, 64-512 rows 0.84-0.95x, 1-8 and 18-22 rows level; one strip is still computed whole by one
+// thread, so the sums do not depend on which (benchmarks/NOTES.md).
 template <typename W>
 void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t N, const float* bias, float* y,
             int64_t ldy) {
   const int64_t strip = K * kStep<W>, strips = N / kStrip;
-  const auto run = [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j)
-      strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
-                 j + 1 < j1 ? w + (j + 1) * strip : nullptr);
-  };
-  if (M < kClaimFrom) return at::parallel_for(0, strips, 1, run);
   alignas(64) std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t j; (j = next.fetch_add(kClaim, std::memory_order_relaxed)) < strips;)
-      run(j, std::min(strips, j + kClaim));
+    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed), after; j < strips; j = after) {
+      after = next.fetch_add(1, std::memory_order_relaxed);
+      strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
+                 after < strips ? w + after * strip : nullptr);
+    }
   });
 }
 
