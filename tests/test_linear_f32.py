@@ -127,6 +127,27 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_spaced_rows_are_read(kernel):
     torch.testing.assert_close(strip(leading, "gelu"), F.gelu(layer(leading)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 15, 160])
+def test_the_sums_do_not_depend_on_how_many_threads_claim_the_strips(kernel, rows):
+    """The threads claim strips from one counter, so which thread computes a strip changes from call to call;
+    each strip is computed whole by one, so one thread, two and three give the same bits."""
+    layer = _layer(200, 160)  # 10 strips of 16 (5 of 32): more strips than threads, and an odd count
+    layers = (StripLinear(layer), StripLinear(_layer(200, 160).to(torch.bfloat16)))  # float32 strips, bf16 words
+    x = torch.randn(rows, 200)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append([strip(x) for strip in layers])
+    finally:
+        torch.set_num_threads(before)
+    assert layers[1].bf16 and not layers[0].bf16
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0], strict=True))
+    torch.testing.assert_close(outs[0][0], layer(x), atol=1e-5, rtol=1e-5)
+
+
 def test_until_the_kernel_loads_the_layer_lays_its_weights_out_plainly(monkeypatch):
     monkeypatch.setattr(linear_mod, "linear_f32_kernel", lambda: None)
     layer = _layer(64, 32)
