@@ -218,7 +218,8 @@ void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64
             int64_t ldy) {
   const int64_t strip = K * kStep<W>, strips = N / kStrip;
   alignas(64) std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  // One thread per strip at most: a thread with no strip to claim would only be woken to find none.
+  at::parallel_for(0, std::min<int64_t>(strips, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t j = next.fetch_add(1, std::memory_order_relaxed), after; j < strips; j = after) {
       after = next.fetch_add(1, std::memory_order_relaxed);
       strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
