@@ -104,6 +104,19 @@ def export_gguf(model: Path, kind: str) -> Path:
     return out
 
 
+def llama_pooling(model: Path) -> int:
+    """llama.cpp's pooling type for the model's sentence-transformers pooling (1_Pooling/config.json); -1: the
+    GGUF's own (set by the converter for the models it knows as embedders)."""
+    config = model / "1_Pooling" / "config.json"
+    if not config.exists():
+        return -1
+    modes = json.loads(config.read_text())
+    for key, kind in (("pooling_mode_lasttoken", 3), ("pooling_mode_cls_token", 2), ("pooling_mode_mean_tokens", 1)):
+        if modes.get(key):
+            return kind
+    return -1
+
+
 def load(path: str, model: Path, threads: int, job: dict[str, Any]) -> Encode:
     """The path's model, ready: a function from texts to normalised vectors (one batch)."""
     if path.startswith("ember"):
@@ -119,7 +132,7 @@ def load(path: str, model: Path, threads: int, job: dict[str, Any]) -> Encode:
         # so one of 8,192 tokens cost 20x the time on 32 passages of 200 tokens; 512 holds any MiniLM text
         n = int(job.get("llama_batch", 512))
         llm = Llama(str(gguf), embedding=True, n_threads=threads, n_threads_batch=threads, n_ctx=n, n_batch=n,
-                    n_ubatch=n, verbose=False)  # fmt: skip
+                    n_ubatch=n, pooling_type=llama_pooling(model), verbose=False)  # fmt: skip
         return lambda texts: llm.embed(texts, normalize=True)
     if path == "st":
         st = st_model(model, "torch", None, threads)
