@@ -8,7 +8,8 @@ The other paths run under --peers-python, a venv with their libraries (CPU torch
 
     python3.11 -m venv .peers-venv && .peers-venv/bin/pip install torch==2.13.0
     .peers-venv/bin/pip freeze | grep '^torch==' > /tmp/torch-cpu.txt
-    .peers-venv/bin/pip install "sentence-transformers[onnx,openvino]" llama-cpp-python gguf sentencepiece -c /tmp/torch-cpu.txt
+    .peers-venv/bin/pip install "sentence-transformers[onnx,openvino]" llama-cpp-python gguf sentencepiece \
+        -c /tmp/torch-cpu.txt
 
 llama.cpp's paths convert the model with its convert_hf_to_gguf.py (--llama-convert, from llama.cpp's source or
 llama-cpp-python's sdist, `vendor/llama.cpp/`).
@@ -60,6 +61,7 @@ def texts(model: Path, queries: int, passages: int, words: int) -> tuple[list[st
             break
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     tok.no_truncation()
+    tok.no_padding()
     counts = [len(tok.encode(p).ids) for p in out]
     return qs, out, counts
 
