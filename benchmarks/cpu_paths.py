@@ -15,11 +15,11 @@ llama.cpp's paths convert the model with its convert_hf_to_gguf.py (--llama-conv
 llama-cpp-python's sdist, `vendor/llama.cpp/`).
 
 Each path runs in its own process (benchmarks/harness/cpu_path.py), one at a time, ember under the allocator its
-server preloads (tcmalloc), the others under their own (OpenVINO aborts under a preloaded tcmalloc), with `--threads`
-compute threads; the order alternates round by round and
-each figure is the median over rounds, its ratio to ember's the median of the rounds' ratios. Measured per path:
-load time (imports included), one short query at a time (p50 of `--queries` distinct ones, each a list of one text,
-the path's whole call), and `--passages` passages of ~200 tokens in batches of `--batch` (tokens/s, counted with the
+server preloads (tcmalloc), the others under their own (OpenVINO aborts under a preloaded tcmalloc), with
+`--threads` compute threads; the order alternates round by round and each figure is the median over rounds, its
+ratio to ember's the median of the rounds' ratios. Measured per path: load time (the path's imports included;
+torch's only for ember), one short query at a time (p50 of `--queries` distinct ones, each a list of one text, the
+path's whole call), and `--passages` passages of ~200 tokens in batches of `--batch` (tokens/s, counted with the
 model's tokenizer, special tokens included). Every path's vectors for a few texts are compared with ember's float32
 ones (the lowest cosine): they must be the same model. Writes benchmarks/results/cpu-paths-<model>.json.
 """

@@ -15,8 +15,9 @@ Exports are made once into the repository's models/exports/<model>/ (outside the
 ember runs under the allocator its server preloads (tcmalloc, when installed); the others under their own.
 
 JOB.json: {"queries": [...], "passages": [...], "check": [...], "batch": 32, "threads": 2, "llama_batch": 512}.
-Timed: the load (imports included), each query alone (a list of one text, as a server's single request), and the
-passages in batches of `batch`. The check texts' vectors come back for the parent to compare across paths.
+Timed: the load (the path's imports; torch, set up before, only for ember), each query alone (a list of one text, as
+a server's single request), and the passages in batches of `batch`. The check texts' vectors come back for the
+parent to compare across paths.
 """
 
 from __future__ import annotations
