@@ -15,9 +15,9 @@ Exports are made once into the repository's models/exports/<model>/ (outside the
 ember runs under the allocator its server preloads (tcmalloc, when installed); the others under their own.
 
 JOB.json: {"queries": [...], "passages": [...], "check": [...], "batch": 32, "threads": 2, "llama_batch": 512}.
-Timed: the load (the path's imports; torch, set up before, only for ember), each query alone (a list of one text, as
-a server's single request), and the passages in batches of `batch`. The check texts' vectors come back for the
-parent to compare across paths.
+Timed: the load (the path's imports; for all but ember, torch is imported before the clock starts), each query alone
+(a list of one text, as a server's single request), and the passages in batches of `batch`. The check texts' vectors
+come back for the parent to compare across paths.
 """
 
 from __future__ import annotations
@@ -123,14 +123,14 @@ def load(path: str, model: Path, threads: int, job: dict[str, Any]) -> Encode:
     if path.startswith("ember"):
         from ember import Embedder
 
-        e = Embedder(str(model), quantization="int8" if path == "ember-int8" else None)
+        e = Embedder(str(model), quantization="int8" if path == "ember-int8" else None, threads=threads)
         return lambda texts: e.embed(texts, normalize=True).vectors
     if path.startswith("llama.cpp"):
         from llama_cpp import Llama
 
         gguf = export_gguf(model, path.split("-")[1])
         # one micro-batch of `llama_batch` tokens: llama.cpp attends over a whole micro-batch (masked per sequence),
-        # so one of 8,192 tokens cost 20x the time on 32 passages of 200 tokens; 512 holds any MiniLM text
+        # so one of 8,192 tokens ran MiniLM's passages (~200 tokens) 7x slower in F32; 512 holds any MiniLM text
         n = int(job.get("llama_batch", 512))
         llm = Llama(str(gguf), embedding=True, n_threads=threads, n_threads_batch=threads, n_ctx=n, n_batch=n,
                     n_ubatch=n, pooling_type=llama_pooling(model), verbose=False)  # fmt: skip
