@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -85,10 +86,10 @@ def _median_ratio(rows: list[dict], ref: list[dict], key: str, invert: bool = Fa
 def summarise(rounds: list[dict[str, dict]], paths: list[str], tokens: int) -> dict[str, dict]:
     """Medians over rounds per path; ratios to ember per round, then their median; lowest cosine to ember."""
     out = {}
+    ref = [r["ember"] for r in rounds]
+    ours = np.asarray(ref[0]["check"], dtype=np.float64)
     for p in paths:
         rows = [r[p] for r in rounds]
-        ref = [r["ember"] for r in rounds]
-        ours = np.asarray(rounds[0]["ember"]["check"], dtype=np.float64)
         theirs = np.asarray(rows[0]["check"], dtype=np.float64)
         cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
         out[p] = {
@@ -123,7 +124,7 @@ def main() -> None:
         paths = ["ember", *[p for p in paths if p != "ember"]]
     qs, passages, counts = texts(model, args.queries, args.passages, args.words)
     print(f"{len(qs)} queries, {len(passages)} passages of {min(counts)}-{max(counts)} tokens", flush=True)
-    env = {k: v for k, v in __import__("os").environ.items()}
+    env = dict(os.environ)
     if args.llama_convert:
         env["LLAMA_CPP_CONVERT"] = args.llama_convert
     job = {"queries": qs, "passages": passages, "check": qs[:12] + passages[:4], "batch": args.batch,
@@ -137,10 +138,9 @@ def main() -> None:
             for p in paths if r % 2 == 0 else paths[::-1]:
                 python = sys.executable if p.startswith("ember") else args.peers_python
                 got[p] = run_path(python, p, model, job_file, env)
-                query, rate = got[p]["query_p50_ms"], sum(counts) / got[p]["bulk_s"]
-                print(
-                    f"round {r + 1} {p}: query p50 {query:.1f} ms, bulk {rate:.0f} tok/s, load {got[p]['load_s']:.1f} s"
-                )
+                query, rate, load = got[p]["query_p50_ms"], sum(counts) / got[p]["bulk_s"], got[p]["load_s"]
+                line = f"round {r + 1} {p}: query p50 {query:.1f} ms, bulk {rate:.0f} tok/s, load {load:.1f} s"
+                print(line, flush=True)
             rounds.append(got)
     summary = summarise(rounds, paths, sum(counts))
     print(json.dumps({p: {k: v for k, v in s.items() if k != "rounds"} for p, s in summary.items()}, indent=1))

@@ -78,7 +78,7 @@ def export_st(model: Path, kind: str) -> Path:
         return out
     from sentence_transformers import SentenceTransformer
 
-    if not (out / ".done-base").exists() or kind == "openvino":
+    if not (out / ".done-base").exists():
         st = SentenceTransformer(str(model), device="cpu", backend=kind.split("-")[0])
         st.save_pretrained(str(out))
         (out / ".done-base").touch()
