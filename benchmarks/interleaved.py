@@ -10,6 +10,9 @@ per-round ratios cancels that drift. Only one server works at a time; the idle o
 
 The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on the same cores as ember (pass
 --peer-cmd/--peer-url/--peer-model for another server, VLLM_BIND=auto for vLLM's own one-core default on 2 vCPUs).
+infinity: --peer-cmd "sh benchmarks/serve_infinity.sh" --warm (--warm: one unmeasured request of each workload's
+shape to both servers first; infinity compiles a graph the first time it sees a shape). Before the rounds, the same
+texts go to both servers and the lowest cosine between their vectors is reported: both compute the same embedding.
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
 oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY), and vLLM's own
@@ -39,20 +42,53 @@ from pathlib import Path
 from harness import QWEN_DIR, ROOT, PeakRss, cpu_description, frozen, launch, stop
 from run import start_server
 
-from ember.cli.bench import WORKLOADS, Result, run_workload
+from ember.cli.bench import WORKLOADS, Result, Workload, make_texts, run_workload
 
 
-def _compute_limit(dtype: str) -> dict[str, float]:
+def _compute_limit(model: str, dtype: str) -> dict[str, float]:
     """benchmarks/harness/roofline.py on the model, in its own process (under the tier's cap when one is set)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/harness/roofline.py"), str(QWEN_DIR), dtype],
+        [sys.executable, str(ROOT / "benchmarks/harness/roofline.py"), model, dtype],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return ast.literal_eval(done.stdout.strip().splitlines()[-1])
 
 
+def _warm(servers: dict[str, tuple[str, str]], keys: list[str]) -> None:
+    """One request of each planned workload's shape to each server, unmeasured, on texts no round sends (up to 8,192
+    tokens: a bulk request, 8 concurrent queries, the 8k document): a peer that compiles a graph the first time it
+    sees a shape (infinity's torch.compile) pays for it here rather than in its first round."""
+    for key in keys:
+        w = WORKLOADS[key]
+        n = w.per_request * w.concurrency
+        while n > w.per_request and sum(w.lengths[:n]) > 8192:
+            n -= w.per_request
+        first = Workload(w.name, w.lengths[:n], w.per_request, w.concurrency)
+        for url, model in servers.values():
+            asyncio.run(run_workload(url, model, first, round=-1))
+
+
+def _agreement(servers: dict[str, tuple[str, str]]) -> float:
+    """The lowest cosine between ember's and the peer's vectors of the same texts (20, 100 and 200 tokens): that
+    both compute the same embedding (the model's own pooling, its normalisation)."""
+    import httpx
+    import numpy as np
+
+    texts = make_texts((20, 100, 200), seed=7)  # within every model's own length (MiniLM truncates at 256)
+    vectors = []
+    for url, model in servers.values():
+        reply = httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": texts}, timeout=600)
+        reply.raise_for_status()
+        rows = sorted(reply.json()["data"], key=lambda d: d["index"])
+        vectors.append(np.array([r["embedding"] for r in rows], dtype=np.float64))
+    a, b = vectors
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(QWEN_DIR), help="ember's model: a local directory or a hub id")
+    ap.add_argument("--max-model-len", default="8192", help="ember's --max-model-len (512 for BERT-sized models)")
     ap.add_argument("--peer-url", default="http://127.0.0.1:8100")
     ap.add_argument("--peer-model", default="qwen3-emb-0.6b-random")
     ap.add_argument(
@@ -65,40 +101,45 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/interleaved-DTYPE.json)")
     ap.add_argument("--tier", default=None, help="cap both servers to an ISA tier: avx512_bf16, avx512, avx2")
+    ap.add_argument("--warm", action="store_true", help="one unmeasured request of each workload's shape first")
     args = ap.parse_args()
     if args.tier:
         from ember.cli.runtime import isa_env
 
         os.environ["EMBER_MAX_ISA"] = args.tier  # inherited by both servers and the probe
         os.environ.update(isa_env(args.tier))  # oneDNN, MKL, ATen and inductor's cache, for the peer too
-    before = _compute_limit(args.dtype)
+    before = _compute_limit(args.model, args.dtype)
     print(f"compute limit: {before['tokens_per_s']:.0f} tok/s ({before['gflops']:.0f} G(FL)OPS)", flush=True)
     plan = [(k, int(n)) for k, n in (item.split(":") for item in args.workloads.split(","))]
     extra = [
         "--dtype",
         args.dtype,
         "--max-model-len",
-        "8192",
+        args.max_model_len,
         "--pooler-config",
         '{"enable_chunked_processing": true}',
         "--embedding-cache-size",
         "0",
     ]  # every round's texts are new: the cache would only cost
-    ours, ours_ready, ours_kernels = start_server(str(QWEN_DIR), extra)
+    ours, ours_ready, ours_kernels = start_server(args.model, extra)
     try:
         peer, peer_ready = launch(args.peer_cmd, args.peer_url, ROOT / "benchmarks/results/peer.log")
     except BaseException:
         stop(ours)  # a peer that fails to start must not leave ember holding the port
         raise
-    servers = {"ember": ("http://127.0.0.1:18123", str(QWEN_DIR)), "peer": (args.peer_url, args.peer_model)}
+    servers = {"ember": ("http://127.0.0.1:18123", args.model), "peer": (args.peer_url, args.peer_model)}
     results: dict[str, dict[str, list[Result]]] = {k: {"ember": [], "peer": []} for k, _ in plan}
     probes: dict[str, list[dict[str, float]]] = {k: [] for k, _ in plan}  # before each round of a workload
     try:
+        agreement = _agreement(servers)
+        print(f"lowest cosine between ember's and the peer's vectors: {agreement:.6f}", flush=True)
+        if args.warm:
+            _warm(servers, [k for k, _ in plan])
         with PeakRss(ours.pid) as ours_rss, PeakRss(peer.pid) as peer_rss:
             for key, rounds in plan:
                 for r in range(rounds):
                     with frozen(ours.pid), frozen(peer.pid):  # neither server takes CPU from the probe
-                        probes[key].append(_compute_limit(args.dtype))
+                        probes[key].append(_compute_limit(args.model, args.dtype))
                     order = ["ember", "peer"] if r % 2 == 0 else ["peer", "ember"]
                     for who in order:
                         url, model = servers[who]
@@ -107,12 +148,14 @@ def main() -> None:
                             res = asyncio.run(run_workload(url, model, WORKLOADS[key], round=r))  # new texts per round
                         results[key][who].append(res)
                         print(
-                            f"{key} round {r + 1} {who}: {res.tokens_per_s:.0f} tok/s p50 {res.p50_ms:.0f}", flush=True
+                            f"{key} round {r + 1} {who}: {res.seconds:.1f} s, {res.tokens} tokens by its usage, "
+                            f"p50 {res.p50_ms:.0f} ms",
+                            flush=True,
                         )
     finally:
         stop(ours)
         stop(peer)
-    after = _compute_limit(args.dtype)
+    after = _compute_limit(args.model, args.dtype)
     every = [before, *(p for ps in probes.values() for p in ps), after]  # each probe once
     for (key, _), (next_key, _) in zip(plan, [*plan[1:], (None, 0)], strict=True):
         probes[key].append(probes[next_key][0] if next_key else after)  # the probe after a workload's last round
@@ -126,7 +169,10 @@ def main() -> None:
     rows = []
     for key, _ in plan:
         e, p = results[key]["ember"], results[key]["peer"]
-        ratios = [a.tokens_per_s / b.tokens_per_s for a, b in zip(e, p, strict=True)]
+        # both were sent the same texts in a round: the ratio is the peer's time over ember's, and the peer's rate
+        # is counted in ember's tokens (infinity's usage counts characters)
+        ratios = [b.seconds / a.seconds for a, b in zip(e, p, strict=True)]
+        peer_rates = [a.tokens / b.seconds for a, b in zip(e, p, strict=True)]
         near = [max(a, b, key=lambda x: x["gflops"]) for a, b in itertools.pairwise(probes[key])]
         fractions = [x.tokens_per_s / lim["tokens_per_s"] for x, lim in zip(e, near, strict=True)]
         row = {
@@ -136,7 +182,8 @@ def main() -> None:
             "ember_fraction_of_highest_limit": statistics.median(x.tokens_per_s for x in e) / limit["tokens_per_s"],
             "probes_gflops": [x["gflops"] for x in probes[key]],
             "ember_tokens_per_s": [x.tokens_per_s for x in e],
-            "peer_tokens_per_s": [x.tokens_per_s for x in p],
+            "peer_tokens_per_s": peer_rates,
+            "peer_usage_over_ember_usage": [b.tokens / a.tokens for a, b in zip(e, p, strict=True)],  # 1: same counts
             "ember_p50_ms": [x.p50_ms for x in e],
             "peer_p50_ms": [x.p50_ms for x in p],
             "ember_p99_ms": [x.p99_ms for x in e],
@@ -168,6 +215,8 @@ def main() -> None:
                     "peak_rss_bytes": ours_rss.bytes,
                 },
                 "peer": {"cmd": args.peer_cmd, "ready_s": peer_ready, "peak_rss_bytes": peer_rss.bytes},
+                "lowest_cosine_to_peer": agreement,
+                "warmed": args.warm,
                 "rows": rows,
             },
             indent=2,
