@@ -55,9 +55,10 @@ def _compute_limit(model: str, dtype: str) -> dict[str, float]:
 
 
 def _warm(servers: dict[str, tuple[str, str]], keys: list[str]) -> None:
-    """One request of each planned workload's shape to each server, unmeasured, on texts no round sends (up to 8,192
-    tokens: a bulk request, 8 concurrent queries, the 8k document): a peer that compiles a graph the first time it
-    sees a shape (infinity's torch.compile) pays for it here rather than in its first round."""
+    """Each planned workload's requests to each server, unmeasured, on texts no round sends: as many of its first
+    requests, in flight together, as fit in 8,192 tokens, and at least one (a bulk request, 8 concurrent queries, the
+    8k or 12k document). A peer that compiles a graph the first time it sees a shape (infinity's torch.compile) pays
+    for it here rather than in its first round."""
     for key in keys:
         w = WORKLOADS[key]
         n = w.per_request * w.concurrency
