@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import PeakRss, cpu_name, write_result
+from harness import PeakRss, cpu_name, row_cosines, write_result
 
 WORDS = (
     "index vector query document search embed rank model server memory cluster shard replica token batch "
@@ -72,7 +72,7 @@ def check(out: Path, source: Path, model: str | None, sample: int) -> dict[str, 
     texts = {r["id"]: r["text"] for r in rows}
     fresh = Embedder(model).embed([texts[ids[i]] for i in picks]).vectors
     got = np.stack([np.asarray(table.column("embedding")[i].as_py(), np.float32) for i in picks])
-    cosine = (fresh * got).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(got, axis=1))
+    cosine = row_cosines(fresh, got)
     return {
         "rows_out": len(ids),
         "duplicates": len(ids) - len(seen),

@@ -36,8 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from harness import ROOT, write_result
+from harness import ROOT, row_cosines, write_result
 from quantized_recall import stdlib_sentences
 from tokenizers import Tokenizer
 
@@ -87,11 +86,9 @@ def summarise(rounds: list[dict[str, dict]], paths: list[str], tokens: int) -> d
     """Medians over rounds per path; ratios to ember per round, then their median; lowest cosine to ember."""
     out = {}
     ref = [r["ember"] for r in rounds]
-    ours = np.asarray(ref[0]["check"], dtype=np.float64)
     for p in paths:
         rows = [r[p] for r in rounds]
-        theirs = np.asarray(rows[0]["check"], dtype=np.float64)
-        cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+        cosine = row_cosines(ref[0]["check"], rows[0]["check"])
         out[p] = {
             "load_s": round(statistics.median(r["load_s"] for r in rows), 2),
             "query_p50_ms": round(statistics.median(r["query_p50_ms"] for r in rows), 2),

@@ -10,8 +10,8 @@ per-round ratios cancels that drift. Only one server works at a time; the idle o
 
 The peer is vLLM's CPU build started by benchmarks/serve_vllm.sh, computing on the same cores as ember (pass
 --peer-cmd/--peer-url/--peer-model for another server, VLLM_BIND=auto for vLLM's own one-core default on 2 vCPUs).
-infinity: --peer-cmd "sh benchmarks/serve_infinity.sh" --warm (--warm: one unmeasured request of each workload's
-shape to both servers first; infinity compiles a graph the first time it sees a shape). Before the rounds, the same
+infinity: --peer-cmd "sh benchmarks/serve_infinity.sh" --warm (--warm: each workload's first requests, unmeasured,
+to both servers first; infinity compiles a graph the first time it sees a shape). Before the rounds, the same
 texts go to both servers and the lowest cosine between their vectors is reported: both compute the same embedding.
 
 --tier avx512_bf16|avx512|avx2 runs both servers as on a CPU of that tier: ember with EMBER_MAX_ISA, both with
@@ -39,7 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import QWEN_DIR, ROOT, PeakRss, cpu_description, frozen, launch, stop
+from harness import QWEN_DIR, ROOT, PeakRss, cpu_description, frozen, launch, row_cosines, stop
 from run import start_server
 
 from ember.cli.bench import WORKLOADS, Result, Workload, make_texts, run_workload
@@ -73,7 +73,6 @@ def _agreement(servers: dict[str, tuple[str, str]]) -> float:
     """The lowest cosine between ember's and the peer's vectors of the same texts (20, 100 and 200 tokens): that
     both compute the same embedding (the model's own pooling, its normalisation)."""
     import httpx
-    import numpy as np
 
     texts = make_texts((20, 100, 200), seed=7)  # within every model's own length (MiniLM truncates at 256)
     vectors = []
@@ -81,9 +80,8 @@ def _agreement(servers: dict[str, tuple[str, str]]) -> float:
         reply = httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": texts}, timeout=600)
         reply.raise_for_status()
         rows = sorted(reply.json()["data"], key=lambda d: d["index"])
-        vectors.append(np.array([r["embedding"] for r in rows], dtype=np.float64))
-    a, b = vectors
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+        vectors.append([r["embedding"] for r in rows])
+    return float(row_cosines(*vectors).min())
 
 
 def main() -> None:
@@ -102,7 +100,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="ember's --dtype (int8: int8 weights, bf16 compute)")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/interleaved-DTYPE.json)")
     ap.add_argument("--tier", default=None, help="cap both servers to an ISA tier: avx512_bf16, avx512, avx2")
-    ap.add_argument("--warm", action="store_true", help="one unmeasured request of each workload's shape first")
+    ap.add_argument("--warm", action="store_true", help="each workload's first requests, unmeasured, first")
     args = ap.parse_args()
     if args.tier:
         from ember.cli.runtime import isa_env

@@ -4,6 +4,7 @@
 - memory: `PeakRss`, `tree_rss`, `tree_pids`, `peak_rss`;
 - machine: `cpu_name`, `cpu_description`;
 - results: `ROOT`, `RESULTS`, `write_result`;
+- vectors: `row_cosines`;
 - models: `QWEN_DIR`, `ensure_qwen3_model`, `checkpoints` (the tests' builders), `use_server_allocator`;
 - roofline (`compute_limit`) and reference (`reference_tokens_per_s`), imported from their modules (they load torch).
 """
@@ -13,6 +14,7 @@ from harness.memory import PeakRss, peak_rss, tree_pids, tree_rss
 from harness.models import QWEN_DIR, checkpoints, ensure_qwen3_model, use_server_allocator
 from harness.results import RESULTS, ROOT, write_result
 from harness.server import ember_command, frozen, launch, settled, stop
+from harness.vectors import row_cosines
 
 __all__ = [
     "QWEN_DIR",
@@ -27,6 +29,7 @@ __all__ = [
     "frozen",
     "launch",
     "peak_rss",
+    "row_cosines",
     "settled",
     "stop",
     "tree_pids",
