@@ -4,9 +4,11 @@ the engine's own path (queue, batch wait, model thread), and HTTP end to end, ea
     PYTHONPATH=benchmarks python benchmarks/experiments/query_profile.py [--model models/qwen3-emb-0.6b-random] \
         [--dtype auto] [--rounds 30]
 
-In-process parts run on the Embedder's runner with the server's threads; the HTTP part starts `ember serve` with
-its default flags (the embedding cache off, so every query is computed) and sends one query at a time. The GEMM
-floor is the model's FLOPs for the query at the GEMM rate probed in the same run (benchmarks/harness/roofline.py).
+In-process parts run the Embedder's runner on one thread, which then serves as the engine's model thread (as
+`ember serve` keeps all model work on one thread), and time the engine's path turn about with a bare forward handed
+to that thread from the event loop; the HTTP part starts `ember serve` with its default flags (the embedding cache
+off, so every query is computed) and sends one query at a time. The GEMM floor is the model's FLOPs for the query
+at the GEMM rate probed in the same run (benchmarks/harness/roofline.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from run import start_server, stop  # restarts this script under tcmalloc, as the server runs
@@ -33,6 +36,9 @@ def _median_ms(times: list[float]) -> float:
 
 
 def in_process(model: str, dtype: str, rounds: int) -> dict[str, float]:
+    """Every forward on one thread, which then serves as the engine's model thread: OpenMP keeps a pool of workers
+    for each thread that runs parallel work, and with two pools on 2 cores its workers sleep between kernels, which
+    would slow every forward measured after the first pool (ember serve runs all model work on its model thread)."""
     import torch
 
     from ember import Embedder
@@ -40,11 +46,12 @@ def in_process(model: str, dtype: str, rounds: int) -> dict[str, float]:
     from ember.config import EngineConfig
     from ember.engine.engine import AsyncEngine, EmbedParams
 
-    embedder = Embedder(model, dtype=dtype, native=native_config())
+    thread = ThreadPoolExecutor(1, thread_name_prefix="ember-model")
+    embedder = thread.submit(Embedder, model, dtype=dtype, native=native_config()).result()
     runner, tokenizer = embedder._loaded.runner, embedder.tokenizer
     ids = tokenizer.encode(QUERY)
     for _ in range(3):
-        embedder.embed(QUERY)
+        thread.submit(embedder.embed, QUERY).result()
     stages: dict[str, list[float]] = defaultdict(list)
     blocks = getattr(runner.model, "layers", None) or getattr(runner.model, "blocks", None) or []
     spans: dict[str, float] = {}
@@ -53,34 +60,47 @@ def in_process(model: str, dtype: str, rounds: int) -> dict[str, float]:
         module.register_forward_pre_hook(lambda *_: spans.__setitem__(name, time.perf_counter()))
         module.register_forward_hook(lambda *_: stages[name].append(time.perf_counter() - spans[name]))
 
-    for block in blocks:
-        for part in ("self_attn", "attention", "attn", "mlp", "feed_forward"):
-            if hasattr(block, part):
-                timed(f"layer.{part}", getattr(block, part))
-    for _ in range(rounds):
+    parts = ("self_attn", "attention", "attn", "mlp", "feed_forward")
+    hooked = [(part, getattr(b, part)) for b in blocks for part in parts if hasattr(b, part)]
+    for part, module in hooked:
+        timed(f"layer.{part}", module)
+
+    def forward() -> None:
         start = time.perf_counter()
         tokenizer.encode(QUERY)
         stages["tokenise"].append(time.perf_counter() - start)
         start = time.perf_counter()
         runner.run([ids])
         stages["runner.run (forward + pooling)"].append(time.perf_counter() - start)
+
+    for _ in range(rounds):
+        thread.submit(forward).result()
     out = {name: _median_ms(t) * (len(blocks) if name.startswith("layer.") else 1) for name, t in stages.items()}
     out = {(f"{k} (x{len(blocks)} layers)" if k.startswith("layer.") else k): v for k, v in out.items()}
+    for _, module in hooked:  # the engine's rows below time whole requests only
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
 
-    async def through_engine() -> list[float]:
-        engine = AsyncEngine(runner, tokenizer, EngineConfig(), None)
+    async def through_engine() -> tuple[list[float], list[float]]:
+        engine = AsyncEngine(runner, tokenizer, EngineConfig(), None, model_thread=thread)
         await engine.start()
-        times = []
+        loop = asyncio.get_running_loop()
+        direct, engined = [], []
         try:
-            for _ in range(rounds):
+            for _ in range(rounds):  # turn about: the model thread alone, then the whole engine path
+                start = time.perf_counter()
+                await loop.run_in_executor(thread, runner.run, [ids])
+                direct.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 await engine.embed(QUERY, EmbedParams())
-                times.append(time.perf_counter() - start)
+                engined.append(time.perf_counter() - start)
         finally:
             await engine.stop()
-        return times
+        return direct, engined
 
-    out["engine.embed (tokenise, queue, batch wait, model thread)"] = _median_ms(asyncio.run(through_engine()))
+    direct, engined = asyncio.run(through_engine())
+    out["runner.run handed to the model thread from the event loop"] = _median_ms(direct)
+    out["engine.embed (tokenise, queue, batch wait, model thread)"] = _median_ms(engined)
     out["tokens"] = len(ids)
     return out
 
