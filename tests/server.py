@@ -49,6 +49,7 @@ class Server:
                 "EMBER_NATIVE_ELEMENTWISE",
                 "EMBER_NATIVE_LINEAR",
                 "EMBER_NATIVE_LINEAR_F32",
+                "EMBER_NATIVE_LINEAR_BF16",
             ):
                 env.setdefault(switch, "0")
         self.log = log

@@ -27,7 +27,7 @@ from server import Server
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "EMBER_NATIVE_ATTENTION": "0", "EMBER_NATIVE_INT8": "0",
        "EMBER_NATIVE_ELEMENTWISE": "0", "EMBER_NATIVE_LINEAR": "0",
-       "EMBER_NATIVE_LINEAR_F32": "0"}  # fmt: skip
+       "EMBER_NATIVE_LINEAR_F32": "0", "EMBER_NATIVE_LINEAR_BF16": "0"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

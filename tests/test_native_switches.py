@@ -20,6 +20,7 @@ SWITCHES = {
     "elementwise": "EMBER_NATIVE_ELEMENTWISE",
     "linear": "EMBER_NATIVE_LINEAR",
     "linear_f32": "EMBER_NATIVE_LINEAR_F32",
+    "linear_bf16": "EMBER_NATIVE_LINEAR_BF16",
 }
 
 
@@ -102,7 +103,7 @@ def test_prebuilt_kernels_load_with_no_compiler_where_ember_serves(tmp_path, com
     assert done.returncode == 0, done.stderr
     libraries = sorted(p.name for p in cache.glob("*.so"))
     assert [n.split("-")[0] for n in libraries] == [
-        "ember_attention", "ember_elementwise", "ember_int8_gemm", "ember_linear", "ember_linear_f32"
+        "ember_attention", "ember_elementwise", "ember_int8_gemm", "ember_linear", "ember_linear_bf16", "ember_linear_f32"
     ]  # fmt: skip
     assert all((cache / (n + ".sha256")).is_file() for n in libraries)
     if isa_tier(cpu_flags()) not in ("amx", "avx512_bf16"):

@@ -108,6 +108,7 @@ def test_the_native_kernels_say_what_a_capped_cpu_lacks(amx_cpu: None, monkeypat
     )
     assert report["int8_gemm"].detail.startswith("this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512_vnni")
     assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["elementwise"].detail
+    assert "this CPU (as capped by EMBER_MAX_ISA) lacks avx512_bf16 avx512bw avx512f" in report["linear_bf16"].detail
     assert report["linear"].detail.endswith("lacks avx512bw avx512f; float32 weights on oneMKL instead")
 
 

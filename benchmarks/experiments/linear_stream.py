@@ -10,8 +10,10 @@ round by round; it prints the median time per pass and each way's speed-up over 
     EMBER_MAX_ISA=avx2 python benchmarks/experiments/linear_stream.py     # as an AVX2-only CPU would run them
 
 Ways: `plain` (F.linear: oneMKL's sgemm, packing panels on every call), `onednn` (weights packed once for
-oneDNN's matmul, as ember packs bf16 layers), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights,
-converted to float32 on each call), `bf16_native` (ember's Bf16Linear on its native kernel, where it builds),
+oneDNN's matmul, as ember packs float32 layers on AMD), `onednn_bf16` (a bf16 model's layer: bf16 weights packed
+for oneDNN, the activations converted to bf16 on each call), `pairs_bf16` (the same on ember's bf16 product, where
+it builds: AVX-512 BF16), `mkl_packed` (oneMKL's packed sgemm), `bf16_upcast` (bf16 weights, converted to float32
+on each call), `bf16_native` (ember's Bf16Linear on its native kernel, where it builds),
 `strips`, `strips_bf16` and `strips_int8` (ember's float32 product on float32 strips, on bf16 words and on int8
 weights with a scale per channel, as int8 layers hold them on CPUs without VNNI or AMX, where it builds).
 benchmarks/NOTES.md ("Linear layers") has what they measured.
@@ -30,8 +32,9 @@ import torch.nn.functional as F
 
 from ember.cli.runtime import cap_isa, max_isa, maybe_reexec_with_allocator, native_config
 from ember.engine.cpu import set_threads
+from ember.ops.bf16_pairs import pack_pairs
 from ember.ops.linear import Bf16Linear, pack_bf16, pack_f32, strip_width
-from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
+from ember.ops.native import build_kernels, linear_bf16_kernel, linear_f32_kernel, linear_kernel
 from ember.resources import cpu_budget
 
 SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))  # (K, N) of the 0.6B shape's products
@@ -42,11 +45,14 @@ def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], t
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 2048) for w in ws]
     half = [w.bfloat16() for w in ws]
+    dnn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(h, None) for h in half]
     ways = {
         "plain": lambda x, i: F.linear(x, ws[i]),
         "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], ""),
         "mkl_packed": lambda x, i: torch.ops.mkl._mkl_linear(x, mkl[i], ws[i], None, x.shape[0]),
         "bf16_upcast": lambda x, i: F.linear(x, half[i].float()),
+        # a bf16 model's layer: bf16 activations (the conversion counted) on oneDNN's packed bf16 matmul
+        "onednn_bf16": lambda x, i: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), dnn_bf16[i], None, "none", [], ""),
     }
     if linear_f32_kernel() is not None:  # ember's float32 product: float32 strips, and bf16 words in strips
         width = strip_width()
@@ -57,6 +63,9 @@ def layouts(ws: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], t
         scales = [w.abs().amax(1) / 127 for w in ws]
         q8 = [pack_f32((w / s[:, None]).round().to(torch.int8), width) for w, s in zip(ws, scales, strict=True)]
         ways["strips_int8"] = lambda x, i: torch.ops.ember.linear_f32q(x, q8[i], None) * scales[i]
+    if linear_bf16_kernel() is not None:  # a bf16 model's short products on ember's bf16 product
+        words16 = [pack_pairs(h) for h in half]
+        ways["pairs_bf16"] = lambda x, i: torch.ops.ember.linear_bf16d(x.bfloat16(), words16[i], None)
     if linear_kernel() is not None:
         held = []
         for w in ws:  # each as a float32 layer would be, then held as bf16

@@ -301,8 +301,7 @@ class NativeConfig:
 
     Each runs only where the CPU (as capped by EMBER_MAX_ISA) has what it needs; these switches only turn them
     off (EMBER_NATIVE_ATTENTION, EMBER_NATIVE_INT8, EMBER_NATIVE_ELEMENTWISE, EMBER_NATIVE_LINEAR,
-    EMBER_NATIVE_LINEAR_F32 = 0, read by the
-    CLI)."""
+    EMBER_NATIVE_LINEAR_F32, EMBER_NATIVE_LINEAR_BF16 = 0, read by the CLI)."""
 
     attention: bool = True
     """Flash attention over packed sequences: float32 (AVX2 + FMA up), bf16 (AMX, else AVX-512 BF16)."""
@@ -316,6 +315,9 @@ class NativeConfig:
     linear_f32: bool = True
     """float32 linear layers on AMD CPUs without AVX-512 (Zen 2, Zen 3) run short batches on ember's float32 product,
     which overlaps streaming the weights with computing them (AVX2); off: oneDNN's packed matmul."""
+    linear_bf16: bool = True
+    """bf16 linear layers run a query's few rows on ember's bf16 product, which streams the weights faster than
+    oneDNN's packed matmul (AVX-512 BF16; taller batches stay on oneDNN); off: oneDNN's at every height."""
     cache_dir: str | None = None
     """Where built libraries are kept (EMBER_CACHE_DIR); None: ~/.cache/ember."""
     compiler: str | None = None
@@ -334,7 +336,7 @@ class NativeConfig:
         return cls(
             **{
                 kernel: env.get(cls.switch(kernel), "1").strip().lower() not in off
-                for kernel in ("attention", "int8_gemm", "elementwise", "linear", "linear_f32")
+                for kernel in ("attention", "int8_gemm", "elementwise", "linear", "linear_f32", "linear_bf16")
             },
             cache_dir=env.get("EMBER_CACHE_DIR") or (f"{xdg}/ember" if xdg else None),
             compiler=env.get("CXX") or None,

@@ -39,6 +39,7 @@ from ember.models.checkpoint import (
 from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
+from ember.ops.bf16_pairs import pair_bf16
 from ember.ops.linear import hold_bf16, holdable, pack_linears, strip_f32, widen_bf16
 from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
@@ -70,6 +71,8 @@ class ModelPlan:
     memory: MemoryPlan
     strips: bool = False
     """float32 layers go to ember's float32 product (AMD without AVX-512, its kernel allowed and buildable)."""
+    pairs: bool = False
+    """bf16 layers go to ember's bf16 product (AMD with AVX-512 BF16, its kernel allowed and buildable)."""
     holds_bf16: bool = False
     """float32 compute on a bf16 checkpoint whose matrices stay bf16 (hold_bf16), as the memory plan counts them."""
 
@@ -120,6 +123,7 @@ def plan(
         weights = int8_weights
     native = native or NativeConfig()
     strips = strip_f32() and may_build("linear_f32", native)
+    pairs = dtype == torch.bfloat16 and pair_bf16() and may_build("linear_bf16", native)
     holds = _holds_bf16(dtype, config, native, strips)
     if holds and checkpoint_matrices_bf16(path):  # the held matrices take two bytes, not four
         weights -= 2 * sum(int(m.weight.numel()) for m in holdable(shape, strips).values())
@@ -139,7 +143,9 @@ def plan(
         int8_weights_bytes=None if config.quantization else int8_weights,
         shared=shared,
     )
-    return ModelPlan(config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, strips, holds)
+    return ModelPlan(
+        config, path, hf_config, arch, cls, st, pooling, dtype, max_model_len, memory_plan, strips, pairs, holds
+    )
 
 
 def plan_models(
@@ -258,7 +264,7 @@ def load(
         if direct:
             widen_bf16(net)  # what was not quantised
         _say_int8_path(native)
-    if pack_linears(net, p.dtype, p.strips) or config.quantization:
+    if pack_linears(net, p.dtype, p.strips, p.pairs) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
     dims = p.hf_config.get("matryoshka_dimensions")

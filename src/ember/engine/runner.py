@@ -15,8 +15,8 @@ from ember.config import NativeConfig
 from ember.models.base import Architecture
 from ember.models.heads import Head
 from ember.ops.fused import compiled, compiling
-from ember.ops.linear import per_row_kernels, release_bf16, release_strips
-from ember.ops.native import build_kernels, linear_f32_kernel, linear_kernel
+from ember.ops.linear import per_row_kernels, release_bf16, release_pairs, release_strips
+from ember.ops.native import build_kernels, linear_bf16_kernel, linear_f32_kernel, linear_kernel
 from ember.ops.pages import huge_pages
 from ember.ops.prefix import prefix_layout, share_prefixes
 from ember.ops.quant import use_native_int8
@@ -98,6 +98,8 @@ class TorchRunner:
                 release_bf16(self.model)
             if linear_f32_kernel() is None:
                 release_strips(self.model)
+            if linear_bf16_kernel() is None:
+                release_pairs(self.model)
             self.pads = per_row_kernels(self.model)
         return [*report, huge_pages(self.model)]
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.hardware import cpu_flags, cpu_vendor
+from ember.ops.activations import ACTIVATIONS
+from ember.ops.bf16_pairs import PairLinear, pairable
 from ember.ops.native import linear_f32_kernel, linear_kernel
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "pack_linears",
     "per_row_kernels",
     "release_bf16",
+    "release_pairs",
     "release_strips",
     "replace_linears",
     "strip_f32",
@@ -52,15 +55,6 @@ __all__ = [
     "unpack_f32",
     "widen_bf16",
 ]
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-"""Activations by their `hidden_act` name in config.json."""
 
 # The same activations as oneDNN post-ops: (attr, algorithm) of mkldnn._linear_pointwise.
 _POST_OPS: dict[str, tuple[str, str]] = {
@@ -131,7 +125,7 @@ def onednn_f32() -> bool:
 
 def linear_act(linear: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
     """ACTIVATIONS[act](linear(x)): one kernel when the layer is packed."""
-    if isinstance(linear, PackedLinear | StripLinear):
+    if isinstance(linear, PackedLinear | StripLinear | PairLinear):
         return linear(x, act)
     return ACTIVATIONS[act](linear(x))
 
@@ -159,13 +153,16 @@ def strip_width() -> int:
     return 32 if "avx512f" in cpu_flags() else 16
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False, pairs: bool = False) -> int:
     """Replace each nn.Linear of `model` by a PackedLinear, where oneDNN runs bf16 (bf16 models) or is the faster
     float32 product (float32 models on AMD); with `strips` (float32 only), by a StripLinear where its width allows;
-    returns how many. (Layers already replaced, e.g. by int8 ones or Bf16Linear, are left as they are.)"""
+    with `pairs` (bf16 only), by a PairLinear where its shape allows; returns how many. (Layers already replaced,
+    e.g. by int8 ones or Bf16Linear, are left as they are.)"""
     if not ((dtype == torch.bfloat16 and onednn_bf16()) or (dtype == torch.float32 and onednn_f32())):
         return 0
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    if pairs and dtype == torch.bfloat16:
+        return replace_linears(model, names, lambda m: PairLinear(m) if pairable(m) else PackedLinear(m))
     if not (strips and dtype == torch.float32):
         return replace_linears(model, names, PackedLinear)
     width = strip_width()
@@ -177,6 +174,12 @@ def release_strips(model: nn.Module) -> int:
     to a float32 nn.Linear (where the float32 kernel did not load); returns how many."""
     names = [name for name, m in model.named_modules() if isinstance(m, StripLinear)]
     return replace_linears(model, names, lambda m: PackedLinear(m.widened()) if onednn_f32() else m.widened())
+
+
+def release_pairs(model: nn.Module) -> int:
+    """Every PairLinear of `model` back to oneDNN's packed layer (where ember's bf16 product did not load)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, PairLinear)]
+    return replace_linears(model, names, lambda m: PackedLinear(m.plain()))
 
 
 def replace_linears(model: nn.Module, names: list[str], make: Callable[[Any], nn.Module]) -> int:

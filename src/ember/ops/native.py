@@ -7,12 +7,13 @@
 - linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear);
 - linear_f32.cpp: float32 linear layers on AMD CPUs without AVX-512, weights streamed while computed, float32 or a
   bf16 checkpoint's bf16 (ember.ops.linear); and int8 layers' products on x86 CPUs without VNNI or AMX, on int8
-  weights widened as they are read (ember.ops.quant).
+  weights widened as they are read (ember.ops.quant);
+- linear_bf16.cpp: a bf16 model's linear layers on short batches (a query's rows), AVX-512 BF16 (ember.ops.linear).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
 ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h,
-ember::linear_f32q; their schemas are defined in Python), which compiled regions call through the dispatcher
-without Python.
+ember::linear_f32q, ember::linear_bf16d; their schemas are defined in Python), which compiled regions call through
+the dispatcher without Python.
 
 Two ways to get them, tried in this order:
 
@@ -25,7 +26,7 @@ Two ways to get them, tried in this order:
   tier's build targets every CPU of that tier, so one image serves Sapphire Rapids, Zen 4/5 and Cooper Lake alike
   (and one arm64 image every Graviton).
 - Built on this machine at first use, with `-march=native` (less what EMBER_MAX_ISA caps; `-mcpu=native` on
-  aarch64), about 25 s for the four, on the engine's kernel thread beside serving; keyed also by the compiler's
+  aarch64), about 30 s for all of them, on the engine's kernel thread beside serving; keyed also by the compiler's
   version, the exact command and this CPU's flags.
 
 Both link against the installed torch and use its OpenMP pool; nothing is compiled at `pip install`. Until a kernel
@@ -62,6 +63,7 @@ __all__ = [
     "cache_dir",
     "elementwise_kernel",
     "int8_gemm_kernel",
+    "linear_bf16_kernel",
     "linear_f32_kernel",
     "linear_kernel",
     "may_build",
@@ -96,6 +98,8 @@ _KERNELS = (
     # used on AMD CPUs without AVX-512 and on Intel ones from AVX2 up (ember.ops.linear.strip_f32); not built on ARM,
     # where it is not measured
     _Kernel("linear_f32", frozenset({"avx2", "fma"}), "oneDNN's packed float32 matmul"),
+    # a bf16 model's short products (ember.ops.linear.PackedLinear); taller ones stay on oneDNN
+    _Kernel("linear_bf16", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "oneDNN's packed bf16 matmul"),
 )
 
 _lock = threading.Lock()
@@ -141,6 +145,11 @@ def linear_kernel() -> ctypes.CDLL | None:
 def linear_f32_kernel() -> ctypes.CDLL | None:
     """The float32 small-batch linear library, once `build_kernels` has built it on this machine; else None."""
     return _loaded.get("linear_f32")
+
+
+def linear_bf16_kernel() -> ctypes.CDLL | None:
+    """The bf16 small-batch linear library, once `build_kernels` has built it on this machine; else None."""
+    return _loaded.get("linear_bf16")
 
 
 def may_build(name: str, config: NativeConfig) -> bool:

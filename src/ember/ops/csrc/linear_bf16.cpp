@@ -1,0 +1,150 @@
+// bf16 linear layers for short batches on AVX-512 BF16: y = x W^T + b, x and y bf16, W packed once at load
+// (ember.ops.linear.pack_bf16_pairs) into strips of kStrip = 32 output channels, [N/32][K/2][32] int32 words, word c
+// of input pair i holding channel c's weights of inputs 2i (low half) and 2i + 1 (high half): what `vdpbf16ps`
+// multiplies against a broadcast pair of x's inputs, 32 products a register, summed in float32.
+//
+// A query of 10-30 tokens reads every weight of the model once for a few multiply-adds each: the product is bound by
+// how fast the weights stream in. oneDNN's packed bf16 matmul read them at ~26 GB/s on 2 vCPUs of a Zen 5 EPYC,
+// where two threads summing a float32 array read ~37 GB/s; ember's float32 product on bf16 words (linear_f32.cpp)
+// streams at the same rate but spends twice the multiply-adds. Here, as there, each thread computes one strip while
+// it prefetches the next as four streams, spread over the strip's passes, and claims strips one at a time from one
+// counter; with the products on vdpbf16ps the stream is the bound (benchmarks/NOTES.md). Taller products run in
+// panels of kPanel rows, each streaming the weights again; they stay on oneDNN where it is faster (ember.ops.linear
+// picks by rows). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in
+// float32), as oneDNN's; only their order differs.
+// Built and loaded like the other kernels (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "needs AVX-512 BF16"
+#endif
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kW = 16;               // float32 lanes of a register
+constexpr int kPer = 2;              // registers of channels per strip
+constexpr int kStrip = kPer * kW;    // output channels per strip
+constexpr int kRows = 14;            // rows per register block at most: 28 sums, two weights and x's pair of 32
+constexpr int64_t kPanel = 256;      // rows per pass over the weights
+constexpr int64_t kLine = 64;        // bytes per cache line
+constexpr int kStreams = 4;          // parts of the next strip prefetched in turn, by passes of up to kStreamsUpTo
+constexpr int64_t kStreamsUpTo = 2;  // register blocks per strip up to which the next is read as streams
+
+// R rows of y (bf16, row stride ldy): a strip's 32 channels = R rows of x (bf16, row stride ldx) times the strip's
+// words w (K2 = K / 2 pairs x 32), plus the bias (float32, the strip's 32, or null). pf (or null): this pass's share
+// of the next strip, `lines` cache lines, prefetched as kStreams streams (one stream with streams = false).
+template <int R>
+inline void rows_block(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t K2, const float* bias, uint16_t* y,
+                       int64_t ldy, const char* pf, int64_t lines, bool streams) {
+  __m512 acc[R][kPer];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPer; ++c) acc[r][c] = _mm512_setzero_ps();
+  // prefetch: `per` lines a step, line q of the share taken from stream q % S at its q / S-th line (S streams of
+  // `part` lines each, in turn)
+  const int64_t s = streams ? kStreams : 1, part = (lines + s - 1) / s, per = K2 ? (lines + K2 - 1) / K2 : 0;
+  for (int64_t i = 0; i < K2; ++i) {
+    if (pf)
+      for (int64_t q = i * per; q < std::min(lines, (i + 1) * per); ++q) {
+        const int64_t line = q % s * part + q / s;
+        if (line < lines) __builtin_prefetch(pf + line * kLine, 0, 2);
+      }
+    const __m512i* p = reinterpret_cast<const __m512i*>(w + i * kStrip);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * i, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  for (int c = 0; c < kPer; ++c) {
+    const __m512 bb = bias ? _mm512_loadu_ps(bias + c * kW) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], bb));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c * kW), (__m256i)h);
+    }
+  }
+}
+
+// rows_block for a run-time row count 1 .. R.
+template <int R = kRows>
+inline void rows_any(int rows, const uint16_t* x, int64_t ldx, const int32_t* w, int64_t K2, const float* bias,
+                     uint16_t* y, int64_t ldy, const char* pf, int64_t lines, bool streams) {
+  if constexpr (R > 0) {
+    if (rows == R) return rows_block<R>(x, ldx, w, K2, bias, y, ldy, pf, lines, streams);
+    rows_any<R - 1>(rows, x, ldx, w, K2, bias, y, ldy, pf, lines, streams);
+  }
+}
+
+// One strip for all M rows, in register blocks of equal size; `next` (or null): the strip this thread computes after
+// it, prefetched in equal shares by this strip's passes.
+inline void strip_rows(const uint16_t* x, int64_t ldx, int64_t M, const int32_t* w, int64_t K2, const float* bias,
+                       uint16_t* y, int64_t ldy, const int32_t* next) {
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  const int64_t lines = K2 * kStrip * int64_t(sizeof(int32_t)) / kLine;
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
+    const int64_t lo = b * lines / blocks, hi = (b + 1) * lines / blocks;
+    const char* pf = next ? reinterpret_cast<const char*>(next) + lo * kLine : nullptr;
+    rows_any(n, x + m * ldx, ldx, w, K2, bias, y + m * ldy, ldy, pf, hi - lo, blocks <= kStreamsUpTo);
+    m += n;
+  }
+}
+
+// y (M x N) = x (M x K) W^T + bias, W packed as above. The threads claim strips one at a time from one counter,
+// each claiming the strip it computes next before it computes the one it holds, so that strip's passes prefetch the
+// next; one strip is computed whole by one thread, so the sums do not depend on which.
+void linear(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, const int32_t* w, int64_t N, const float* bias,
+            uint16_t* y, int64_t ldy) {
+  const int64_t strip = K2 * kStrip, strips = N / kStrip;
+  alignas(64) std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(strips, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed), after; j < strips; j = after) {
+      after = next.fetch_add(1, std::memory_order_relaxed);
+      strip_rows(x, ldx, M, w + j * strip, K2, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
+                 after < strips ? w + after * strip : nullptr);
+    }
+  });
+}
+
+// y = x W^T + bias for x (T, K) bf16 and W packed as (N / 32, K / 2, 32) int32 words; bias (N,) float32 or none.
+at::Tensor linear_bf16d_op(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "linear_bf16d: x must be (T, K) bf16");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kStrip && w.scalar_type() == at::kInt && w.is_contiguous(),
+              "linear_bf16d: w must be packed (N / 32, K / 2, 32) int32");
+  const at::Tensor x = x_in.stride(1) == 1 && x_in.stride(0) % 2 == 0 ? x_in : x_in.contiguous();
+  const int64_t t = x.size(0), k = x.size(1), n = w.size(0) * kStrip;
+  TORCH_CHECK(k == 2 * w.size(1), "linear_bf16d: x has ", k, " inputs, the weights ", 2 * w.size(1));
+  TORCH_CHECK(!bias || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "linear_bf16d: bias must be (N,) float32");
+  at::Tensor out = at::empty({t, n}, x.options());
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < t; m += kPanel)
+    linear(xs + m * x.stride(0), std::min(kPanel, t - m), k / 2, x.stride(0), w.data_ptr<int32_t>(), n, b,
+           ys + m * n, n);
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+int ember_linear_bf16_usable() { return 1; }
+}
+
+TORCH_LIBRARY_IMPL(ember, CPU, m) { m.impl("linear_bf16d", &linear_bf16d_op); }
