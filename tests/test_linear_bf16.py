@@ -18,6 +18,7 @@ from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
 from ember.ops.bf16_pairs import PairLinear, pack_pairs, pairable, unpack_pairs
+from ember.ops.fused import can_compile
 from ember.ops.linear import PackedLinear, linear_act, onednn_bf16, per_row_kernels, release_pairs
 from ember.ops.native import build_kernels, linear_bf16_kernel
 from parity import cos, st_reference
@@ -142,3 +143,26 @@ def test_a_bf16_model_on_the_bf16_product_matches_sentence_transformers_and_oned
     assert not any(isinstance(m, PairLinear) for m in model.modules())
     assert embedder._loaded.runner.pads  # now on oneDNN's layers, which build a kernel per row count
     assert cos(embedder.embed(TEXTS)[0], ours).min() >= 0.9995
+
+
+@pytest.mark.skipif(not can_compile(), reason="no C++ compiler for torch.compile")
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 weights only with AVX-512 or AVX-NE-CONVERT")
+def test_compiled_bf16_pairs_serve_any_batch_without_compiling_again(kernel, monkeypatch, tmp_path):
+    """On the bf16 product, batches of up to a token slice run all layers but the last as one compiled region, longer
+    ones per layer in slices: the compile warm-up builds every graph, so no batch of any height meets a compilation
+    while serving, and a text gives the same in any batch and as the eager model."""
+    monkeypatch.setattr("ember.engine.build.pair_bf16", lambda: True)
+    path = build_qwen3(tmp_path / "m", dtype="bfloat16")
+    fused = Embedder(str(path), dtype="bfloat16")
+    assert fused._loaded.runner.compiled
+    assert any(isinstance(m, PairLinear) for m in fused._loaded.runner.model.modules())
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    g = torch.Generator().manual_seed(0)
+    seqs = {n: torch.randint(10, 1000, (n,), generator=g).tolist() for n in (1, 5, 17, 300, 600, 1200, 1000)}
+    for lengths in ([5], [5] * 8, [17, 300, 5], [1], [600], [1200, 600], [1200, 1000]):
+        fused.embed([seqs[n] for n in lengths])  # raises if any of them needs a new graph
+    eager = Embedder(str(path), dtype="bfloat16", enforce_eager=True)
+    for lengths in ([17], [600], [1200, 600]):  # up to a slice, short and tall; past it
+        got = fused.embed([seqs[n] for n in lengths]).vectors
+        assert cos(got, eager.embed([seqs[n] for n in lengths]).vectors).min() >= 0.999
+        assert cos(got[-1:], eager.embed([seqs[lengths[-1]]]).vectors).min() >= 0.999

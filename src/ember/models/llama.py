@@ -19,6 +19,7 @@ from ember.errors import UnsupportedModelError
 from ember.models.base import Architecture
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import packed_attention, rows_attention, seq_offsets, varlen_attention
+from ember.ops.bf16_pairs import PairLinear
 from ember.ops.fused import Fused, qk_norm_rope, qk_rope, rms_norm, swiglu
 from ember.ops.linear import StripLinear
 from ember.ops.prefix import PrefixLayout
@@ -158,10 +159,11 @@ class MLP(nn.Module):
 
 def _one_region(module: Block | LlamaModel) -> bool:
     """Whether a layer's stretches, or the model's layers, compile as whole regions, GEMMs included (see
-    LlamaModel._stack): with int8 weights, and with float32 ones on ember's float32 product."""
+    LlamaModel._stack): with int8 weights, with float32 ones on ember's float32 product, and with bf16 ones on its
+    bf16 product."""
     if isinstance(module, LlamaModel):
         return all(_one_region(cast(Block, b)) for b in module.layers)
-    return isinstance(module.mlp.down_proj, Int8Linear | StripLinear)
+    return isinstance(module.mlp.down_proj, Int8Linear | StripLinear | PairLinear)
 
 
 class Block(nn.Module):
@@ -283,8 +285,9 @@ class LlamaModel(Architecture):
     # residual adds and norms fuse around the GEMMs and across layers, and a forward enters one region instead of one
     # per layer, with no Python between layers. Against one region per layer it shortened short queries and small
     # batches by a tenth (benchmarks/NOTES.md). The last layer runs apart, on the rows the head reads; longer batches
-    # run per layer, in token slices around attention. In bf16 an A/B of one region per layer against the
-    # per-function fused kernels was inconclusive, so bf16 keeps those.
+    # run per layer, in token slices around attention. bf16 layers on ember's bf16 product (AMD Zen 4/5) do the same:
+    # a 20-token query's forward 0.88x the time of the per-function fused kernels. On oneDNN's bf16 layers an A/B of
+    # one region per layer against the per-function fused kernels was inconclusive, so those keep the latter.
     @Fused.region(when=_one_region)
     def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         """Every layer but the last."""
