@@ -17,7 +17,7 @@ from checkpoints import build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
-from ember.ops.bf16_pairs import PairLinear, pack_pairs, pairable, unpack_pairs
+from ember.ops.bf16_pairs import PairLinear, pack_pairs, pairable, streams_weights, unpack_pairs
 from ember.ops.fused import can_compile
 from ember.ops.linear import PackedLinear, linear_act, onednn_bf16, per_row_kernels, release_pairs
 from ember.ops.native import build_kernels, linear_bf16_kernel
@@ -120,12 +120,22 @@ def test_where_the_bf16_product_takes_the_layers(monkeypatch, vendor, flags, pai
     assert pairable(nn.Linear(64, 32)) and not pairable(nn.Linear(63, 32)) and not pairable(nn.Linear(64, 48))
 
 
+def test_only_models_whose_weights_outgrow_the_caches_take_the_bf16_product():
+    """A query's products stream the weights from memory only where they outgrow the caches: Qwen3-Embedding-0.6B's
+    shape does, all-MiniLM-L6-v2's does not."""
+    with torch.device("meta"):
+        qwen3_06b = nn.Sequential(*[nn.Linear(1024, 4096 + 2 * 1024 + 1024 + 2 * 3072) for _ in range(28)])
+        minilm = nn.Sequential(*[nn.Linear(384, 3 * 384 + 384 + 2 * 1536) for _ in range(6)])
+    assert streams_weights(qwen3_06b) and not streams_weights(minilm)
+
+
 @pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 weights only with AVX-512 or AVX-NE-CONVERT")
 def test_a_bf16_model_on_the_bf16_product_matches_sentence_transformers_and_onednn(kernel, monkeypatch, tmp_path):
     """As on a Zen 4 or 5 EPYC: every matrix of a bf16 Qwen3 in pairs, batches at their own token counts, the
     vectors those of the reference and of the same model on oneDNN's layers (EMBER_NATIVE_LINEAR_BF16=0), a text
     alone equal to it in a batch; where the kernel then does not load, the layers go to oneDNN's and still match."""
     monkeypatch.setattr("ember.engine.build.pair_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.build.streams_weights", lambda _: True)  # the test model's are a few KB
     path = build_qwen3(tmp_path / "m", dtype="bfloat16")
     embedder = Embedder(str(path), dtype="bfloat16")
     model = embedder._loaded.runner.model
@@ -152,6 +162,7 @@ def test_compiled_bf16_pairs_serve_any_batch_without_compiling_again(kernel, mon
     ones per layer in slices: the compile warm-up builds every graph, so no batch of any height meets a compilation
     while serving, and a text gives the same in any batch and as the eager model."""
     monkeypatch.setattr("ember.engine.build.pair_bf16", lambda: True)
+    monkeypatch.setattr("ember.engine.build.streams_weights", lambda _: True)  # the test model's are a few KB
     path = build_qwen3(tmp_path / "m", dtype="bfloat16")
     fused = Embedder(str(path), dtype="bfloat16")
     assert fused._loaded.runner.compiled

@@ -17,7 +17,16 @@ from ember.hardware import cpu_flags, cpu_vendor
 from ember.ops.activations import ACTIVATIONS
 from ember.ops.native import linear_bf16_kernel
 
-__all__ = ["STRIP", "PairLinear", "pack_pairs", "pair_bf16", "pairable", "unpack_pairs"]
+__all__ = [
+    "STREAMED_BYTES",
+    "STRIP",
+    "PairLinear",
+    "pack_pairs",
+    "pair_bf16",
+    "pairable",
+    "streams_weights",
+    "unpack_pairs",
+]
 
 STRIP = 32
 """Output channels per strip: two registers of 16."""
@@ -56,6 +65,19 @@ def pair_bf16() -> bool:
     AMX CPUs keep oneDNN, whose tall products run on AMX; Intel CPUs without AMX run float32 (ember.hardware.
     auto_dtype) and are not measured in bf16."""
     return cpu_vendor() == "AuthenticAMD" and "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags()
+
+
+STREAMED_BYTES = 96 << 20
+"""bf16 linear weights from which a model's layers go to PairLinear (where pair_bf16): a query's products then read
+them from memory (a Zen 4 or 5 core complex has 32 MB of L3), where ember's product streams faster than oneDNN's.
+Below, the weights stay in the caches and the products are bound by their multiply-adds, where oneDNN's is as fast
+at a query's rows and a few percent faster on tall batches (all-MiniLM-L6-v2, 21 MB, on a Zen 5: on ember's product
+one query took 0.94-0.99x oneDNN's time, 32 x 128 tokens 1.03-1.05x; benchmarks/NOTES.md)."""
+
+
+def streams_weights(model: nn.Module) -> bool:
+    """Whether `model`'s linear layers hold at least STREAMED_BYTES in bf16 (a meta-device model will do)."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) >= STREAMED_BYTES
 
 
 def pairable(linear: nn.Linear) -> bool:
