@@ -9,9 +9,10 @@
 // streams at the same rate but spends twice the multiply-adds. Here, as there, each thread computes one strip while
 // it prefetches the next as four streams, spread over the strip's passes, and claims strips one at a time from one
 // counter; with the products on vdpbf16ps the stream is the bound (benchmarks/NOTES.md). Taller products run in
-// panels of kPanel rows, each streaming the weights again; they stay on oneDNN where it is faster (ember.ops.linear
-// picks by rows). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in
-// float32), as oneDNN's; only their order differs.
+// panels of kPanel rows, each streaming the weights again: level with oneDNN at 160-512 rows, 1.04x its time at
+// 2,048, so one layout serves every height (panels of 96, 128 or 512 rows, or sized to keep x in L2, were no
+// better). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in float32), as
+// oneDNN's; only their order differs.
 // Built and loaded like the other kernels (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
 
 #include <ATen/Parallel.h>
