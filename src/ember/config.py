@@ -317,7 +317,8 @@ class NativeConfig:
     which overlaps streaming the weights with computing them (AVX2); off: oneDNN's packed matmul."""
     linear_bf16: bool = True
     """bf16 linear layers run a query's few rows on ember's bf16 product, which streams the weights faster than
-    oneDNN's packed matmul (AVX-512 BF16; taller batches stay on oneDNN); off: oneDNN's at every height."""
+    oneDNN's packed matmul (AVX-512 BF16, AMD; at every height, for models whose linear weights outgrow the caches);
+    off: oneDNN's."""
     cache_dir: str | None = None
     """Where built libraries are kept (EMBER_CACHE_DIR); None: ~/.cache/ember."""
     compiler: str | None = None

@@ -124,7 +124,9 @@ def plan(
         weights = int8_weights
     native = native or NativeConfig()
     strips = strip_f32() and may_build("linear_f32", native)
+    # (not with int8 weights: the layers left bf16 then are a few, too small to stream)
     pairs = dtype == torch.bfloat16 and pair_bf16() and may_build("linear_bf16", native) and streams_weights(shape)
+    pairs = pairs and not config.quantization
     holds = _holds_bf16(dtype, config, native, strips)
     if holds and checkpoint_matrices_bf16(path):  # the held matrices take two bytes, not four
         weights -= 2 * sum(int(m.weight.numel()) for m in holdable(shape, strips).values())

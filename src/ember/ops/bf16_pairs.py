@@ -61,9 +61,9 @@ def unpack_pairs(words: torch.Tensor) -> torch.Tensor:
 def pair_bf16() -> bool:
     """Whether a bf16 model's linear layers are laid out for ember's bf16 product (PairLinear) here, where its
     kernel builds: on AMD CPUs with AVX-512 BF16 (Zen 4 and 5), where it was measured against oneDNN's packed bf16
-    matmul (a query's products in 0.8-0.9x the time, level from 160 to 512 rows, 1.05x at 2,048: benchmarks/NOTES.md).
-    AMX CPUs keep oneDNN, whose tall products run on AMX; Intel CPUs without AMX run float32 (ember.hardware.
-    auto_dtype) and are not measured in bf16."""
+    matmul (a query's products in 0.8-0.9x the time, level from 160 to 512 rows, 1.04-1.05x at 2,048:
+    benchmarks/NOTES.md). AMX CPUs keep oneDNN, whose tall products run on AMX; Intel CPUs without AMX run float32
+    (ember.hardware.auto_dtype) and are not measured in bf16."""
     return cpu_vendor() == "AuthenticAMD" and "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags()
 
 

@@ -8,7 +8,8 @@
 - linear_f32.cpp: float32 linear layers on AMD CPUs without AVX-512, weights streamed while computed, float32 or a
   bf16 checkpoint's bf16 (ember.ops.linear); and int8 layers' products on x86 CPUs without VNNI or AMX, on int8
   weights widened as they are read (ember.ops.quant);
-- linear_bf16.cpp: a bf16 model's linear layers on short batches (a query's rows), AVX-512 BF16 (ember.ops.linear).
+- linear_bf16.cpp: a bf16 model's linear layers on AMD CPUs with AVX-512 BF16, weights streamed while computed
+  (ember.ops.bf16_pairs).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
 ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h,
@@ -98,7 +99,7 @@ _KERNELS = (
     # used on AMD CPUs without AVX-512 and on Intel ones from AVX2 up (ember.ops.linear.strip_f32); not built on ARM,
     # where it is not measured
     _Kernel("linear_f32", frozenset({"avx2", "fma"}), "oneDNN's packed float32 matmul"),
-    # a bf16 model's short products (ember.ops.linear.PackedLinear); taller ones stay on oneDNN
+    # a bf16 model's products on AMD Zen 4/5 (ember.ops.bf16_pairs.PairLinear), every height
     _Kernel("linear_bf16", frozenset({"avx512_bf16", "avx512bw", "avx512f"}), "oneDNN's packed bf16 matmul"),
 )
 

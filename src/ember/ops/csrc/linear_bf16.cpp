@@ -1,5 +1,5 @@
-// bf16 linear layers for short batches on AVX-512 BF16: y = x W^T + b, x and y bf16, W packed once at load
-// (ember.ops.linear.pack_bf16_pairs) into strips of kStrip = 32 output channels, [N/32][K/2][32] int32 words, word c
+// bf16 linear layers on AVX-512 BF16: y = x W^T + b, x and y bf16, W packed once at load
+// (ember.ops.bf16_pairs.pack_pairs, for PairLinear) into strips of kStrip = 32 output channels, [N/32][K/2][32] int32 words, word c
 // of input pair i holding channel c's weights of inputs 2i (low half) and 2i + 1 (high half): what `vdpbf16ps`
 // multiplies against a broadcast pair of x's inputs, 32 products a register, summed in float32.
 //
@@ -52,11 +52,12 @@ inline void rows_block(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPer; ++c) acc[r][c] = _mm512_setzero_ps();
   // prefetch: `per` lines a step, line q of the share taken from stream q % S at its q / S-th line (S streams of
-  // `part` lines each, in turn)
-  const int64_t s = streams ? kStreams : 1, part = (lines + s - 1) / s, per = K2 ? (lines + K2 - 1) / K2 : 0;
+  // `part` lines each, in turn; the last stream's tail, past the share, skipped)
+  const int64_t s = streams ? kStreams : 1, part = (lines + s - 1) / s, total = s * part;
+  const int64_t per = K2 ? (total + K2 - 1) / K2 : 0;
   for (int64_t i = 0; i < K2; ++i) {
     if (pf)
-      for (int64_t q = i * per; q < std::min(lines, (i + 1) * per); ++q) {
+      for (int64_t q = i * per; q < std::min(total, (i + 1) * per); ++q) {
         const int64_t line = q % s * part + q / s;
         if (line < lines) __builtin_prefetch(pf + line * kLine, 0, 2);
       }
