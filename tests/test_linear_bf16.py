@@ -134,8 +134,8 @@ def test_a_bf16_model_on_the_bf16_product_matches_sentence_transformers_and_oned
     """As on a Zen 4 or 5 EPYC: every matrix of a bf16 Qwen3 in pairs, batches at their own token counts, the
     vectors those of the reference and of the same model on oneDNN's layers (EMBER_NATIVE_LINEAR_BF16=0), a text
     alone equal to it in a batch; where the kernel then does not load, the layers go to oneDNN's and still match."""
-    monkeypatch.setattr("ember.engine.build.pair_bf16", lambda: True)
-    monkeypatch.setattr("ember.engine.build.streams_weights", lambda _: True)  # the test model's are a few KB
+    monkeypatch.setattr(pairs_mod, "pair_bf16", lambda: True)
+    monkeypatch.setattr(pairs_mod, "streams_weights", lambda _: True)  # the test model's are a few KB
     path = build_qwen3(tmp_path / "m", dtype="bfloat16")
     embedder = Embedder(str(path), dtype="bfloat16")
     model = embedder._loaded.runner.model
@@ -161,8 +161,8 @@ def test_compiled_bf16_pairs_serve_any_batch_without_compiling_again(kernel, mon
     """On the bf16 product, batches of up to a token slice run all layers but the last as one compiled region, longer
     ones per layer in slices: the compile warm-up builds every graph, so no batch of any height meets a compilation
     while serving, and a text gives the same in any batch and as the eager model."""
-    monkeypatch.setattr("ember.engine.build.pair_bf16", lambda: True)
-    monkeypatch.setattr("ember.engine.build.streams_weights", lambda _: True)  # the test model's are a few KB
+    monkeypatch.setattr(pairs_mod, "pair_bf16", lambda: True)
+    monkeypatch.setattr(pairs_mod, "streams_weights", lambda _: True)  # the test model's are a few KB
     path = build_qwen3(tmp_path / "m", dtype="bfloat16")
     fused = Embedder(str(path), dtype="bfloat16")
     assert fused._loaded.runner.compiled

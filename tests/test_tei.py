@@ -217,14 +217,16 @@ def hub_online(monkeypatch):
 
 @pytest.fixture(scope="module")
 def embed_server(bert_dir, tmp_path_factory):
-    srv = Server([str(bert_dir), "--api-key", KEY, "--max-model-len", "64"], tmp_path_factory.mktemp("l") / "e.log")
+    srv = Server([str(bert_dir), "--api-key", KEY, "--max-model-len", "64", "--dtype", "float32"],
+                 tmp_path_factory.mktemp("l") / "e.log")  # fmt: skip  # as `offline`: bf16 is auto on some CPUs
     yield srv.url
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def rank_server(reranker_dir, tmp_path_factory):
-    srv = Server([str(reranker_dir), "--api-key", KEY, "--max-model-len", "64"], tmp_path_factory.mktemp("l") / "r.log")
+    srv = Server([str(reranker_dir), "--api-key", KEY, "--max-model-len", "64", "--dtype", "float32"],
+                 tmp_path_factory.mktemp("l") / "r.log")  # fmt: skip
     yield srv.url
     srv.stop()
 

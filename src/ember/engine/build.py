@@ -39,7 +39,7 @@ from ember.models.checkpoint import (
 from ember.models.heads import HeadContext
 from ember.models.registry import model_class
 from ember.models.st_modules import STModules, read_st_modules
-from ember.ops.bf16_pairs import pair_bf16, streams_weights
+from ember.ops.bf16_pairs import takes_pairs
 from ember.ops.linear import hold_bf16, holdable, pack_linears, strip_f32, widen_bf16
 from ember.ops.native import cache_dir, may_build
 from ember.ops.quant import int8_targets, int_mm_fast, quantize_int8
@@ -72,8 +72,7 @@ class ModelPlan:
     strips: bool = False
     """float32 layers go to ember's float32 product (AMD without AVX-512, its kernel allowed and buildable)."""
     pairs: bool = False
-    """bf16 layers go to ember's bf16 product (AMD with AVX-512 BF16, its kernel allowed and buildable, weights too
-    large for the caches)."""
+    """bf16 layers go to ember's bf16 product (ember.ops.bf16_pairs.takes_pairs, its kernel allowed and buildable)."""
     holds_bf16: bool = False
     """float32 compute on a bf16 checkpoint whose matrices stay bf16 (hold_bf16), as the memory plan counts them."""
 
@@ -124,9 +123,7 @@ def plan(
         weights = int8_weights
     native = native or NativeConfig()
     strips = strip_f32() and may_build("linear_f32", native)
-    # (not with int8 weights: the layers left bf16 then are a few, too small to stream)
-    pairs = dtype == torch.bfloat16 and pair_bf16() and may_build("linear_bf16", native) and streams_weights(shape)
-    pairs = pairs and not config.quantization
+    pairs = not config.quantization and takes_pairs(dtype, shape) and may_build("linear_bf16", native)  # int8: few left
     holds = _holds_bf16(dtype, config, native, strips)
     if holds and checkpoint_matrices_bf16(path):  # the held matrices take two bytes, not four
         weights -= 2 * sum(int(m.weight.numel()) for m in holdable(shape, strips).values())

@@ -25,6 +25,7 @@ __all__ = [
     "pair_bf16",
     "pairable",
     "streams_weights",
+    "takes_pairs",
     "unpack_pairs",
 ]
 
@@ -78,6 +79,11 @@ one query took 0.94-0.99x oneDNN's time, 32 x 128 tokens 1.03-1.05x; benchmarks/
 def streams_weights(model: nn.Module) -> bool:
     """Whether `model`'s linear layers hold at least STREAMED_BYTES in bf16 (a meta-device model will do)."""
     return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) >= STREAMED_BYTES
+
+
+def takes_pairs(dtype: torch.dtype, model: nn.Module) -> bool:
+    """Whether `model`'s layers, computed in `dtype`, go to PairLinear here: bf16, pair_bf16() and streams_weights."""
+    return dtype == torch.bfloat16 and pair_bf16() and streams_weights(model)
 
 
 def pairable(linear: nn.Linear) -> bool:
