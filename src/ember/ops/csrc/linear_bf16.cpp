@@ -1,5 +1,5 @@
-// bf16 linear layers on AVX-512 BF16: y = x W^T + b, x and y bf16, W packed once at load
-// (ember.ops.bf16_pairs.pack_pairs, for PairLinear) into strips of kStrip = 32 output channels, [N/32][K/2][32] int32 words, word c
+// bf16 linear layers on AVX-512 BF16: y = x W^T + b, x and y bf16, W packed once at load (ember.ops.bf16_pairs.
+// pack_pairs, for PairLinear) into strips of kStrip = 32 output channels, [N/32][K/2][32] int32 words, word c
 // of input pair i holding channel c's weights of inputs 2i (low half) and 2i + 1 (high half): what `vdpbf16ps`
 // multiplies against a broadcast pair of x's inputs, 32 products a register, summed in float32.
 //
@@ -15,15 +15,15 @@
 // oneDNN's; only their order differs.
 // Built and loaded like the other kernels (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
+
+#include "strips.h"
 
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "needs AVX-512 BF16"
@@ -107,19 +107,13 @@ inline void strip_rows(const uint16_t* x, int64_t ldx, int64_t M, const int32_t*
   }
 }
 
-// y (M x N) = x (M x K) W^T + bias, W packed as above. The threads claim strips one at a time from one counter,
-// each claiming the strip it computes next before it computes the one it holds, so that strip's passes prefetch the
-// next; one strip is computed whole by one thread, so the sums do not depend on which.
+// y (M x N) = x (M x K) W^T + bias, W packed as above, its strips shared among the threads as strips.h says.
 void linear(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, const int32_t* w, int64_t N, const float* bias,
             uint16_t* y, int64_t ldy) {
   const int64_t strip = K2 * kStrip, strips = N / kStrip;
-  alignas(64) std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(strips, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed), after; j < strips; j = after) {
-      after = next.fetch_add(1, std::memory_order_relaxed);
-      strip_rows(x, ldx, M, w + j * strip, K2, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
-                 after < strips ? w + after * strip : nullptr);
-    }
+  ember_strips::claim(strips, [&](int64_t j, int64_t after) {
+    strip_rows(x, ldx, M, w + j * strip, K2, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
+               after < strips ? w + after * strip : nullptr);
   });
 }
 
@@ -128,7 +122,7 @@ at::Tensor linear_bf16d_op(const at::Tensor& x_in, const at::Tensor& w, const st
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "linear_bf16d: x must be (T, K) bf16");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kStrip && w.scalar_type() == at::kInt && w.is_contiguous(),
               "linear_bf16d: w must be packed (N / 32, K / 2, 32) int32");
-  const at::Tensor x = x_in.stride(1) == 1 && x_in.stride(0) % 2 == 0 ? x_in : x_in.contiguous();
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();  // pairs read with memcpy: any row stride
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0) * kStrip;
   TORCH_CHECK(k == 2 * w.size(1), "linear_bf16d: x has ", k, " inputs, the weights ", 2 * w.size(1));
   TORCH_CHECK(!bias || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous()),

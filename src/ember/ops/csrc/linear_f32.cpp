@@ -30,10 +30,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
+#include "strips.h"
 #include "vec.h"
 
 #if !EMBER_F32X8
@@ -207,24 +207,19 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
 }
 
 // y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). The
-// threads claim strips one at a time from one counter, each claiming the strip it computes next before it computes
-// the one it holds, so that strip's passes prefetch the next (a query's products are bound by that stream) and a
-// core the host runs slower takes fewer strips instead of keeping the other waiting at the end: the two vCPUs of a
-// Zen 3 EPYC differed by up to 40% in FMA rate from minute to minute. Against fixed halves: products of 15 rows
+// threads claim strips one at a time from one counter (strips.h), each claiming the strip it computes next before it
+// computes the one it holds, so that strip's passes prefetch the next (a query's products are bound by that stream)
+// and a core the host runs slower takes fewer strips instead of keeping the other waiting at the end: the two vCPUs
+// of a Zen 3 EPYC differed by up to 40% in FMA rate from minute to minute. Against fixed halves: products of 15 rows
 // 0.83-0.97x the time, 64-512 rows 0.84-0.95x, 1-8 and 18-22 rows level; one strip is still computed whole by one
 // thread, so the sums do not depend on which (benchmarks/NOTES.md).
 template <typename W>
 void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* w, int64_t N, const float* bias, float* y,
             int64_t ldy) {
   const int64_t strip = K * kStep<W>, strips = N / kStrip;
-  alignas(64) std::atomic<int64_t> next{0};
-  // One thread per strip at most: a thread with no strip to claim would only be woken to find none.
-  at::parallel_for(0, std::min<int64_t>(strips, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t j = next.fetch_add(1, std::memory_order_relaxed), after; j < strips; j = after) {
-      after = next.fetch_add(1, std::memory_order_relaxed);
-      strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
-                 after < strips ? w + after * strip : nullptr);
-    }
+  ember_strips::claim(strips, [&](int64_t j, int64_t after) {
+    strip_rows(x, ldx, M, w + j * strip, K, bias ? bias + j * kStrip : nullptr, y + j * kStrip, ldy,
+               after < strips ? w + after * strip : nullptr);
   });
 }
 
