@@ -4,7 +4,8 @@ Once ember.ops.native has built it, every sequence of a batch goes through one c
 flash-attention kernel (csrc/attention.cpp), which reads q, k and v in place and writes the packed output:
 float32 on every x86-64 CPU from AVX2 up and on aarch64 (FMA register blocks, AVX2 or NEON), bf16 where the CPU
 has AVX-512 BF16 or AMX. Its blocks (query rows x keys) are 32 x 32 for batches of short sequences (queries),
-32 x 64 and 32 x 128 for longer ones, 64 x 256 from ~6,000 tokens (128 x 128 from ~3,000 on AMD Zen 1-3). The rest
+32 x 64 and 32 x 128 for longer ones, 64 x 256 from ~6,000 tokens (128 x 128 from ~3,000 on AMD Zen 1-3; bf16
+without AMX stays on 32 x 128). The rest
 of this module is the SDPA path, used everywhere else (bf16 on an AVX2 or ARM CPU, x86-64 below AVX2, head sizes
 the kernel does not take, a kernel switched off or not yet built):
 

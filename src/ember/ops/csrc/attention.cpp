@@ -25,7 +25,7 @@
 //     computes 1/4 of a 64 x 64 block's work), 32 x 64, 32 x 128 (a work item's scores, probabilities and
 //     output rows stay in L1), and 64 x 256 for long ones (each item streams every key block before it,
 //     so from ~6,000 tokens taller items read the keys and values from memory half as often; 128 x 128 from
-//     ~3,000 on AMD Zen 1-3); a partly
+//     ~3,000 on AMD Zen 1-3; bf16 without AMX keeps 32 x 128, its key blocks in strips of 32 columns); a partly
 //     empty key block (the end of a sequence, or the diagonal) is computed only up to the next multiple
 //     of 32 keys, and the first block's P V writes the output rows instead of adding to zeros.
 // One parallel region per call: the threads first pack K and V of the whole batch (into a buffer freed
@@ -323,10 +323,10 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const b
 #else
 // AVX-512 BF16: 8 rows x 32 columns of C in 16 registers. Each step takes a pair of A's columns (one 32-bit
 // broadcast per row) and the matching pair of B's rows (two 16-column vectors): 16 vdpbf16ps for 2 loads
-// and 8 broadcasts. Column strips outside, rows inside: a strip of B (K/2 x 32 pairs) stays in L1 while
-// every row of A passes it.
+// and 8 broadcasts. Column strips outside, rows inside: a strip of B (K/2 x 32 pairs, contiguous, the next
+// `strip` elements on: pack_kv's layout here) stays in L1 while every row of A passes it.
 template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const bf16* B, int64_t ldb, float* C,
+void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const bf16* B, int64_t strip, float* C,
                int64_t ldc) {
   constexpr int R = 8;  // divides 16: a row block lies inside one of A's 16-row tiles
   for (int64_t j = 0; j < N; j += 32) {
@@ -341,8 +341,8 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const RowTiles<bf16>& A, const b
         acc[r][0] = Accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
         acc[r][1] = Accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
       }
-      const bf16* b = B + j * 2;
-      for (int64_t k = 0; k < K; k += 2, b += ldb * 2) {
+      const bf16* b = B + j / 32 * strip;
+      for (int64_t k = 0; k < K; k += 2, b += 64) {
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -454,9 +454,23 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// One key block (N rows of D, zero past `rows`) in the layouts the AMX kernels read:
-// K^T as [D/2][N][2] (B of Q K^T: a transpose of 32-bit pairs, 16 x 16 at a time),
-// V as [N/2][D][2] (B of P V: rows interleaved in pairs).
+// Where the pair row p of column c lies in a packed block of `cols` columns and `pairs` pair rows (32-bit words):
+// for AMX, rows of all the columns ([pairs][cols], what a tile loads with one row stride); for AVX-512 BF16, strips
+// of 32 columns ([cols / 32][pairs][32]), each contiguous: rows of all 256 keys (1 KB apart) put a strip in 4 of
+// L1's 64 sets and read it from L2 (Zen 5, attention alone: 1.03-1.06x at 8,000 tokens, level on short batches).
+inline int64_t packed_word(int64_t p, int64_t c, int64_t pairs, int64_t cols) {
+#if EMBER_AMX
+  (void)pairs;
+  return p * cols + c;
+#else
+  (void)cols;
+  return (c / 32 * pairs + p) * 32 + c % 32;
+#endif
+}
+
+// One key block (N rows of D, zero past `rows`) in the layout tile_gemm reads (packed_word):
+// K^T as D/2 pair rows of N columns (B of Q K^T: a transpose of 32-bit pairs, 16 x 16 at a time),
+// V as N/2 pair rows of D columns (B of P V: rows interleaved in pairs).
 template <int N>
 void pack_kv(const bf16* k, const bf16* v, int64_t sk, int64_t sv, int64_t rows, int64_t d, bf16* kp, bf16* vp) {
   const int64_t words = d / 2;
@@ -467,19 +481,19 @@ void pack_kv(const bf16* k, const bf16* v, int64_t sk, int64_t sv, int64_t rows,
       for (int64_t n = 0; n < 16; ++n)
         r[n] = n0 + n < rows ? _mm512_loadu_si512(k + (n0 + n) * sk + 2 * j0) : _mm512_setzero_si512();
       transpose16(r);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(kp32 + (j0 + j) * N + n0, r[j]);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(kp32 + packed_word(j0 + j, n0, words, N), r[j]);
     }
   }
   alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  auto* vp32 = reinterpret_cast<uint32_t*>(vp);
   for (int64_t n = 0; n < N; n += 2) {
-    bf16* dst = vp + n * d;
     for (int64_t j = 0; j < d; j += 32) {
       const __m512i a = n < rows ? _mm512_loadu_si512(v + n * sv + j) : _mm512_setzero_si512();
       const __m512i b = n + 1 < rows ? _mm512_loadu_si512(v + (n + 1) * sv + j) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + 2 * j, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(dst + 2 * j + 32, _mm512_permutex2var_epi16(a, hi, b));
+      _mm512_storeu_si512(vp32 + packed_word(n / 2, j, N / 2, d), _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vp32 + packed_word(n / 2, j + 16, N / 2, d), _mm512_permutex2var_epi16(a, hi, b));
     }
   }
 }
@@ -587,8 +601,10 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   const RowTiles<T> probs{nullptr, nullptr, w.probs.data(), BN, w.live.data()};
   const int64_t ahead = a.causal ? 1 : a.window >= 0 ? a.window + 1 : len;  // a row sees the keys before row + ahead
   // how tile_gemm steps through a packed block: float32's strips (elements from one to the next), bf16's rows
-  constexpr bool kStrips = std::is_same_v<T, float>;
-  const int64_t kstep = kStrips ? d * kStripF32 : BN, vstep = kStrips ? BN * kStripF32 : d;
+  // (bf16 strips without AMX: 32 columns of pairs, 32 d elements of K^T and 32 BN of V)
+  constexpr bool kStrips = std::is_same_v<T, float> || !EMBER_AMX;
+  constexpr int64_t kStrip = std::is_same_v<T, float> ? kStripF32 : 32;
+  const int64_t kstep = kStrips ? d * kStrip : BN, vstep = kStrips ? BN * kStrip : d;
   for (int64_t b = item.kvfirst; b < item.kvfirst + item.kvblocks; ++b) {
     const int64_t i = (a.first[s] + b) * a.hkv + g, n0 = b * BN;
     // keys this block holds for these rows (the last block of a sequence, of a causal row range or of a window
@@ -690,7 +706,10 @@ int run(const T* q, const T* k, const T* v, T* out, const int64_t* cu, int64_t n
     int64_t longest = 0;
     for (int64_t s = 0; s < nseq; ++s) longest = std::max(longest, cu[s + 1] - cu[s]);
     if (window >= 0) longest = std::min(longest, window + 1);  // measured: a window of 64 runs best on 32 x 64
-    blocks = longest < 64 ? 0 : longest < 128 ? 1 : longest < kTallFrom ? 2 : kTall;
+    // bf16 without AMX stays on 32 x 128: with its key blocks in strips it was the fastest at every length from 512
+    // tokens on a Zen 5 (64 x 256 1.02x its time at 8,000, 1.01x at 12,000), within 1% at 8,000 on a Zen 4
+    constexpr bool kTallBlocks = std::is_same_v<T, float> || EMBER_AMX;
+    blocks = longest < 64 ? 0 : longest < 128 ? 1 : !kTallBlocks || longest < kTallFrom ? 2 : kTall;
   }
   const bool c = causal != 0;
   try {  // no exception may cross into ctypes (it would terminate the process)
