@@ -574,15 +574,16 @@ void attend_item(const Call<T>& a, const Item& item, Scratch<T>& w) {
   const int64_t d = a.d, rows_all = a.group * BM;
   const int64_t s = item.seq, g = item.head, len = a.cu[s + 1] - a.cu[s];
   const int64_t m0 = int64_t(item.qblock) * BM, rows = std::min<int64_t>(BM, len - m0);
-  // row x = head (g * group + x / BM), token m0 + x % BM. bf16 query tiles are read in place where all 16
-  // rows are the sequence's; float32 ones are always copied (in place, rows the projection's stride apart fall
-  // into a few L1 sets); a tile the sequence ends inside is copied and zero padded, and one past its end reads
-  // the first tile again. The products skip what they can of the padding rows (their results are never used).
+  // row x = head (g * group + x / BM), token m0 + x % BM. AMX tiles read the query tiles in place where all 16
+  // rows are the sequence's; register blocks (float32, bf16 without AMX) read copies (in place, rows the
+  // projection's stride apart fall into a few L1 sets); a tile the sequence ends inside is copied and zero padded,
+  // and one past its end reads the first tile again. The products skip what they can of the padding rows (their
+  // results are never used).
   for (int64_t t = 0; t < rows_all / 16; ++t) {
     const int64_t h = g * a.group + t * 16 / BM, r0 = t * 16 % BM;
     const T* src = a.q + (a.cu[s] + m0 + r0) * a.sq + h * d;
     w.live[t] = uint8_t(std::clamp<int64_t>(rows - r0, 0, 16));
-    if (std::is_same_v<T, bf16> && r0 + 16 <= rows) {
+    if (std::is_same_v<T, bf16> && EMBER_AMX && r0 + 16 <= rows) {
       w.qrow[t] = src, w.qld[t] = a.sq;
     } else if (r0 < rows) {
       T* dst = w.qbuf.data() + t * 16 * d;
