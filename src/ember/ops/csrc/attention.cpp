@@ -374,8 +374,12 @@ inline __m512 exp2_approx(__m512 t) { return ember_vec::exp2_ps<3, false>(t); }
 // and adds this row's p to `sum` (16 partial sums) after scaling it by that factor.
 // With a reference already set the row takes one pass, checking as it goes that no score exceeds it by
 // more than 8, and is redone with the new reference when one does (rare after a row's first block).
-inline float softmax_row(const float* s, int64_t from, int64_t keep, bf16* p, int64_t n, float c, float& ref,
-                         float* sum) {
+template <bool kAll>
+inline float softmax_row_as(const float* s, int64_t from, int64_t keep, bf16* p, int64_t n, float c, float& ref,
+                            float* sum) {
+  const auto load_scores = [&](const float* x, int64_t j, int64_t lo, int64_t hi) {
+    return kAll ? _mm512_loadu_ps(x + j) : ::load_scores(x, j, lo, hi);
+  };
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const __m512 vc = _mm512_set1_ps(c);
   if (ref != kNegInf) {
@@ -418,6 +422,14 @@ inline float softmax_row(const float* s, int64_t from, int64_t keep, bf16* p, in
   }
   _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(factor), _mm512_add_ps(acc0, acc1)));
   return factor;
+}
+
+// softmax_row for bf16 probabilities: a row whose scores are all unmasked (most rows of a long sequence's blocks) loads
+// them without the masks.
+inline float softmax_row(const float* s, int64_t from, int64_t keep, bf16* p, int64_t n, float c, float& ref,
+                         float* sum) {
+  if (from == 0 && keep >= n) return softmax_row_as<true>(s, from, keep, p, n, c, ref, sum);
+  return softmax_row_as<false>(s, from, keep, p, n, c, ref, sum);
 }
 
 inline void store_row(const float* o, bf16* dst, int64_t d, float a) {
