@@ -468,8 +468,9 @@ inline void transpose16(__m512i r[16]) {
 
 // Where the pair row p of column c lies in a packed block of `cols` columns and `pairs` pair rows (32-bit words):
 // for AMX, rows of all the columns ([pairs][cols], what a tile loads with one row stride); for AVX-512 BF16, strips
-// of 32 columns ([cols / 32][pairs][32]), each contiguous: rows of all 256 keys (1 KB apart) put a strip in 4 of
-// L1's 64 sets and read it from L2 (Zen 5, attention alone: 1.03-1.06x at 8,000 tokens, level on short batches).
+// of 32 columns ([cols / 32][pairs][32]), each contiguous: rows of all a block's 128 keys or 128 dimensions (512 B
+// apart) put a strip in 8 of L1's 64 sets, and it was read from L2 (Zen 5, attention alone: 1.03-1.06x at 8,000
+// tokens, level on short batches).
 inline int64_t packed_word(int64_t p, int64_t c, int64_t pairs, int64_t cols) {
 #if EMBER_AMX
   (void)pairs;
