@@ -183,6 +183,32 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir, tmp_path):
     assert results == [200]
 
 
+def test_sigterm_keeps_answering_new_connections_503_while_it_drains(tmp_path):
+    """After SIGTERM the server still accepts connections until its admitted work is answered: a client that
+    connects during the drain (as Kubernetes still sends them for a few seconds) gets an OpenAI-shaped 503, not a
+    dropped connection, and the request in flight still gets its 200."""
+    srv = Server(["--dtype", "float32", "--shutdown-grace", "60"], tmp_path / "log")  # the bundled MiniLM
+    results = []
+
+    def slow_request():  # seconds of work on 2 cores
+        texts = [f"document {j} " + "word " * 240 for j in range(128)]
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=120)
+        results.append(r.status_code)
+
+    t = threading.Thread(target=slow_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _metric(srv.url, "ember_running_batch_tokens") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the slow request is on the model thread
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(srv.url + "/v1/embeddings", json={"input": "a late query"}, timeout=30)
+    t.join(120)
+    assert srv.proc.wait(60) == 0
+    assert late.status_code == 503 and late.json()["error"]["type"] == "ServiceUnavailableError", late.text
+    assert results == [200]
+
+
 def test_bundled_default_model_serves_with_no_model_named(tmp_path):
     srv = Server([], tmp_path / "log")
     try:

@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -165,7 +166,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         for engine in engines:
             engine.drain(args.shutdown_grace)
 
-    server_ = _Server(uvicorn_config, on_exit=drain)
+    server_ = _Server(uvicorn_config, drain, lambda: all(e.settled for e in engines), args.shutdown_grace)
     server_.run()
     if any(e.model_busy for e in engines):  # a batch nobody will receive is still running: do not wait for it to exit
         log.info("exiting with a batch still on the model thread (its requests were answered 503)")
@@ -214,16 +215,36 @@ def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but SIGTERM starts the engine's drain at once (new requests 503, the grace counted from
-    now), and a drained SIGTERM is a clean exit (status 0), as orchestrators expect."""
+    """uvicorn's server, but SIGTERM starts the engines' drain at once (new requests 503, the grace counted from
+    now) and the server keeps serving while they drain: it stops accepting connections and closes them only once
+    every admitted request has its answer (or the grace is over). uvicorn alone stops at once, closing any
+    connection whose request it has not read yet: its client saw the connection drop instead of a 503, and a
+    Kubernetes pod still gets new connections for a few seconds after its SIGTERM. A drained SIGTERM is a clean exit
+    (status 0), as orchestrators expect; a second signal, or SIGINT, stops as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], settled: Callable[[], bool],
+                 grace: float) -> None:  # fmt: skip
         super().__init__(config)
         self._on_exit = on_exit
+        self._settled = settled
+        self._grace = grace
+        self._drain_until: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        super().handle_exit(sig, frame)
         with contextlib.suppress(RuntimeError):  # the loop may already be closed
             asyncio.get_event_loop().call_soon_threadsafe(self._on_exit)
+        if sig == signal.SIGTERM and self._drain_until is None and not self.should_exit:
+            self._drain_until = time.monotonic() + self._grace  # on_tick ends the serving when drained
+            return
+        super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             getattr(self, "_captured_signals", []).clear()  # uvicorn would re-raise it after draining
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_until is not None and not self.should_exit:
+            left = self._drain_until - time.monotonic()
+            if left <= 0 or self._settled():
+                # uvicorn then waits for the answers still being written, within what is left of the grace
+                self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+                self.should_exit = True
+        return await super().on_tick(counter)
