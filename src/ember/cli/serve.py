@@ -217,7 +217,7 @@ def _models(args: argparse.Namespace, threads: int) -> list[_Model]:
 class _Server(uvicorn.Server):
     """uvicorn's server, but SIGTERM starts the engines' drain at once (new requests 503, the grace counted from
     now) and the server keeps serving while they drain: it stops accepting connections and closes them only once
-    every admitted request has its answer (or the grace is over). uvicorn alone stops at once, closing any
+    every request it has read has its answer (or the grace is over). uvicorn alone stops at once, closing any
     connection whose request it has not read yet: its client saw the connection drop instead of a 503, and a
     Kubernetes pod still gets new connections for a few seconds after its SIGTERM. A drained SIGTERM is a clean exit
     (status 0), as orchestrators expect; a second signal, or SIGINT, stops as uvicorn does."""
@@ -243,7 +243,7 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self._drain_until is not None and not self.should_exit:
             left = self._drain_until - time.monotonic()
-            if left <= 0 or self._settled():
+            if left <= 0 or (not self.server_state.tasks and self._settled()):  # every request read is answered
                 # uvicorn then waits for the answers still being written, within what is left of the grace
                 self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
                 self.should_exit = True
