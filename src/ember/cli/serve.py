@@ -166,7 +166,7 @@ def _serve(args: argparse.Namespace, threads: int) -> int:
         for engine in engines:
             engine.drain(args.shutdown_grace)
 
-    server_ = _Server(uvicorn_config, drain, lambda: all(e.settled for e in engines), args.shutdown_grace)
+    server_ = _Server(uvicorn_config, drain, args.shutdown_grace)
     server_.run()
     if any(e.model_busy for e in engines):  # a batch nobody will receive is still running: do not wait for it to exit
         log.info("exiting with a batch still on the model thread (its requests were answered 503)")
@@ -222,11 +222,9 @@ class _Server(uvicorn.Server):
     Kubernetes pod still gets new connections for a few seconds after its SIGTERM. A drained SIGTERM is a clean exit
     (status 0), as orchestrators expect; a second signal, or SIGINT, stops as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], settled: Callable[[], bool],
-                 grace: float) -> None:  # fmt: skip
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], grace: float) -> None:
         super().__init__(config)
         self._on_exit = on_exit
-        self._settled = settled
         self._grace = grace
         self._drain_until: float | None = None
 
@@ -243,7 +241,7 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self._drain_until is not None and not self.should_exit:
             left = self._drain_until - time.monotonic()
-            if left <= 0 or (not self.server_state.tasks and self._settled()):  # every request read is answered
+            if left <= 0 or not self.server_state.tasks:  # every request read (each an ASGI task) is answered
                 # uvicorn then waits for the answers still being written, within what is left of the grace
                 self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
                 self.should_exit = True

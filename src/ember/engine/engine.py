@@ -114,11 +114,6 @@ class AsyncEngine:
     def queued_tokens(self) -> int:
         return self.scheduler.queued_tokens
 
-    @property
-    def settled(self) -> bool:
-        """True when no admitted request is waiting for its answer (a drain has nothing left to finish)."""
-        return not self._waiting
-
     async def start(self) -> None:
         """Warm the model up on the model thread (its first call pays for kernel selection), then serve.
 
