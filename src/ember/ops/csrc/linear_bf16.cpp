@@ -7,8 +7,9 @@
 // how fast the weights stream in. oneDNN's packed bf16 matmul read them at ~26 GB/s on 2 vCPUs of a Zen 5 EPYC,
 // where two threads summing a float32 array read ~37 GB/s; ember's float32 product on bf16 words (linear_f32.cpp)
 // streams at the same rate but spends twice the multiply-adds. Here, as there, each thread computes one strip while
-// it prefetches the next as four streams, spread over the strip's passes, and claims strips one at a time from one
-// counter; with the products on vdpbf16ps the stream is the bound (benchmarks/NOTES.md). Taller products run in
+// it prefetches the next, spread over the strip's passes, and claims strips one at a time from one counter. The next
+// strip is read in order, one line after another: read as four streams in turn (as linear_f32.cpp reads it, which
+// suits Zen 3), a query's products took 1.15-1.2x the time on Zen 5 (benchmarks/NOTES.md). Taller products run in
 // panels of kPanel rows, each streaming the weights again: level with oneDNN at 160-512 rows, 1.04x its time at
 // 2,048, so one layout serves every height (panels of 96, 128 or 512 rows, or sized to keep x in L2, were no
 // better). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in float32), as
@@ -38,29 +39,21 @@ constexpr int kStrip = kPer * kW;    // output channels per strip
 constexpr int kRows = 14;            // rows per register block at most: 28 sums, two weights and x's pair of 32
 constexpr int64_t kPanel = 256;      // rows per pass over the weights
 constexpr int64_t kLine = 64;        // bytes per cache line
-constexpr int kStreams = 4;          // parts of the next strip prefetched in turn, by passes of up to kStreamsUpTo
-constexpr int64_t kStreamsUpTo = 2;  // register blocks per strip up to which the next is read as streams
 
 // R rows of y (bf16, row stride ldy): a strip's 32 channels = R rows of x (bf16, row stride ldx) times the strip's
 // words w (K2 = K / 2 pairs x 32), plus the bias (float32, the strip's 32, or null). pf (or null): this pass's share
-// of the next strip, `lines` cache lines, prefetched as kStreams streams (one stream with streams = false).
+// of the next strip, `lines` cache lines, prefetched in order.
 template <int R>
 inline void rows_block(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t K2, const float* bias, uint16_t* y,
-                       int64_t ldy, const char* pf, int64_t lines, bool streams) {
+                       int64_t ldy, const char* pf, int64_t lines) {
   __m512 acc[R][kPer];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPer; ++c) acc[r][c] = _mm512_setzero_ps();
-  // prefetch: `per` lines a step, line q of the share taken from stream q % S at its q / S-th line (S streams of
-  // `part` lines each, in turn; the last stream's tail, past the share, skipped)
-  const int64_t s = streams ? kStreams : 1, part = (lines + s - 1) / s, total = s * part;
-  const int64_t per = K2 ? (total + K2 - 1) / K2 : 0;
+  const int64_t per = K2 ? (lines + K2 - 1) / K2 : 0;  // lines prefetched a step
   for (int64_t i = 0; i < K2; ++i) {
     if (pf)
-      for (int64_t q = i * per; q < std::min(total, (i + 1) * per); ++q) {
-        const int64_t line = q % s * part + q / s;
-        if (line < lines) __builtin_prefetch(pf + line * kLine, 0, 2);
-      }
+      for (int64_t q = i * per; q < std::min(lines, (i + 1) * per); ++q) __builtin_prefetch(pf + q * kLine, 0, 2);
     const __m512i* p = reinterpret_cast<const __m512i*>(w + i * kStrip);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 1);
 #pragma GCC unroll 16
@@ -85,10 +78,10 @@ inline void rows_block(const uint16_t* x, int64_t ldx, const int32_t* w, int64_t
 // rows_block for a run-time row count 1 .. R.
 template <int R = kRows>
 inline void rows_any(int rows, const uint16_t* x, int64_t ldx, const int32_t* w, int64_t K2, const float* bias,
-                     uint16_t* y, int64_t ldy, const char* pf, int64_t lines, bool streams) {
+                     uint16_t* y, int64_t ldy, const char* pf, int64_t lines) {
   if constexpr (R > 0) {
-    if (rows == R) return rows_block<R>(x, ldx, w, K2, bias, y, ldy, pf, lines, streams);
-    rows_any<R - 1>(rows, x, ldx, w, K2, bias, y, ldy, pf, lines, streams);
+    if (rows == R) return rows_block<R>(x, ldx, w, K2, bias, y, ldy, pf, lines);
+    rows_any<R - 1>(rows, x, ldx, w, K2, bias, y, ldy, pf, lines);
   }
 }
 
@@ -102,7 +95,7 @@ inline void strip_rows(const uint16_t* x, int64_t ldx, int64_t M, const int32_t*
     const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
     const int64_t lo = b * lines / blocks, hi = (b + 1) * lines / blocks;
     const char* pf = next ? reinterpret_cast<const char*>(next) + lo * kLine : nullptr;
-    rows_any(n, x + m * ldx, ldx, w, K2, bias, y + m * ldy, ldy, pf, hi - lo, blocks <= kStreamsUpTo);
+    rows_any(n, x + m * ldx, ldx, w, K2, bias, y + m * ldy, ldy, pf, hi - lo);
     m += n;
   }
 }
