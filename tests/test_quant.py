@@ -100,7 +100,7 @@ def test_int8_strips_give_torch_int_mms_sums_and_a_row_alone_its_row_in_a_batch(
 
 
 @pytest.mark.usefixtures("native_int8")
-@pytest.mark.parametrize("tokens", [1, 15, 16, 33, 100, 700])
+@pytest.mark.parametrize("tokens", [1, 15, 16, 28, 29, 33, 100, 700])
 @pytest.mark.parametrize(("k", "n"), [(64, 32), (384, 1152), (1024, 160), (3072, 96)])
 def test_native_int8_kernel_is_exact_integer_arithmetic(tokens, k, n):
     """Every tail of 16 tokens, inputs in chunks that fit L2 (700 x 3,072), both output dtypes."""

@@ -20,6 +20,8 @@
 // AMX's TDPBSSD multiplies signed by signed bytes; AVX-512 VNNI's VPDPBUSD multiplies unsigned by signed, so
 // there the activations are stored offset by 128 (as unsigned bytes) and 128 x each channel's weight sum is
 // taken off the sums again (computed once per block of channels, from the weights the block reads anyway).
+// Without AMX, a query's product (up to kShortRows tokens) takes a path of its own (short_gemm): bound by the
+// weights' stream, it runs as ember's bf16 product does, in register blocks of its own token count, not tiles of 16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +29,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "strips.h"
 #include "vec.h"
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define EMBER_AMX 1
@@ -93,7 +96,7 @@ inline __m512 load16(const bf16* x) { return ember_vec::load_bf16(x); }
 // amax = max|x| (at least 1e-8), ties to even, where 127 / amax is torch's (1 / amax) * 127; returns the
 // token's scale amax / 127.
 template <typename In>
-float quantize_row(const In* x, int64_t K, int8_t* dst) {
+float quantize_row(const In* x, int64_t K, int8_t* dst, int64_t chunk = kTile) {
   __m512 m = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + k)));
   const float amax = std::max(_mm512_reduce_max_ps(m), 1e-8f);
@@ -105,7 +108,7 @@ float quantize_row(const In* x, int64_t K, int8_t* dst) {
       q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
       __m512i qi = _mm512_cvtps_epi32(q);
       if constexpr (!EMBER_AMX) qi = _mm512_add_epi32(qi, _mm512_set1_epi32(128));  // VPDPBUSD: unsigned bytes
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * kTile + 16 * j), _mm512_cvtepi32_epi8(qi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * chunk + 16 * j), _mm512_cvtepi32_epi8(qi));
     }
   }
   return amax / 127.f;
@@ -205,9 +208,9 @@ inline Block begin_block(const int8_t* b0, const int8_t* b1, int64_t ksteps) {
 // same 4 inputs: one 64-byte vector).
 inline void rows_product(const int8_t* a, int64_t ksteps, const Block& blk, Prefetch& prefetch, int32_t* c) {
   constexpr int R = 8;
-  __m512i acc[R][2];
+  __v16si acc[R][2];  // GCC's own int32 vectors, as short_block's sums (there, why)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = __v16si{};
   for (int64_t k = 0; k < ksteps; ++k) {
     const int8_t *ak = a + k * kTile, *w0 = blk.b0 + k * kTile, *w1 = blk.b1 + k * kTile;
     for (int j = 0; j < 16; ++j) {
@@ -216,17 +219,17 @@ inline void rows_product(const int8_t* a, int64_t ksteps, const Block& blk, Pref
       for (int r = 0; r < R; ++r) {
         int32_t word;
         std::memcpy(&word, ak + r * 64 + 4 * j, sizeof(word));
-        const __m512i x = _mm512_set1_epi32(word);
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, v0);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, v1);
+        const __v16si x = (__v16si)_mm512_set1_epi32(word);
+        acc[r][0] = __builtin_ia32_vpdpbusd_v16si(acc[r][0], x, (__v16si)v0);
+        acc[r][1] = __builtin_ia32_vpdpbusd_v16si(acc[r][1], x, (__v16si)v1);
       }
     }
     prefetch.step();
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm512_store_si512(c + r * 32, _mm512_sub_epi32(acc[r][0], blk.offset0));
-    _mm512_store_si512(c + r * 32 + 16, _mm512_sub_epi32(acc[r][1], blk.offset1));
+    _mm512_store_si512(c + r * 32, _mm512_sub_epi32((__m512i)acc[r][0], blk.offset0));
+    _mm512_store_si512(c + r * 32 + 16, _mm512_sub_epi32((__m512i)acc[r][1], blk.offset1));
   }
 }
 
@@ -242,9 +245,137 @@ inline void block_product(const int8_t* a, bool two, int64_t ksteps, const Block
 #endif
 
 // x: int8 with its tokens' scales in xs, or bf16 / float32 (In) quantised here, xs then unused (nullptr).
+#if !EMBER_AMX
+// A short product (a query: up to kShortRows tokens) on AVX-512 VNNI reads every weight of the layer once for a few
+// multiply-adds each, so it is bound by the weights' stream, as ember's bf16 product is (linear_bf16.cpp), and runs
+// the same way: the tokens in register blocks of their own count (up to kRows: 28 sums, two weights, x's word),
+// not in tiles of 16 padded with zeros; one 32-channel block (tiles b0 and b1) for all of them at a time, the block
+// a thread computes next prefetched in order by this block's passes, blocks claimed from one counter (strips.h).
+// The weights' sums (the VPDPBUSD offset) are taken by the first pass, from the words it reads anyway.
+constexpr int kRows = 14;
+constexpr int64_t kShortRows = 2 * kRows;
+
+// c (R x 32, row stride 32) = R tokens (xw: offset by 128 as unsigned bytes, word-major: the 4 bytes of word g of
+// token r at xw[g * R + r], so a step's broadcasts come from one pointer, not R rows whose pointers would not fit in
+// registers beside 28 sums) times the 32 channels of b0 and b1, less 128 x the channels' weight sums (off0, off1:
+// taken here when Sums, else given).
+// pf (or null): this pass's share of the next block, `lines` cache lines.
+template <int R, bool Sums>
+__attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1, __m512i& off0,
+                        __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
+  const int64_t ksteps = K / 64, steps = ksteps * 16, per = (lines + steps - 1) / steps;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  // the sums as GCC's own int32 vectors: held as __m512i (8 x int64) and converted for every VPDPBUSD, GCC keeps
+  // them on the stack
+  __v16si acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = __v16si{};
+  for (int64_t k = 0, q = 0; k < ksteps; ++k) {
+    const int8_t *w0 = b0 + k * kTile, *w1 = b1 + k * kTile;
+    const int32_t* xk = xw + k * 16 * R;
+    for (int j = 0; j < 16; ++j) {
+      if (pf)
+        for (const int64_t end = std::min(lines, q + per); q < end; ++q) _mm_prefetch(pf + q * 64, _MM_HINT_T1);
+      const __m512i v0 = _mm512_loadu_si512(w0 + j * 64), v1 = _mm512_loadu_si512(w1 + j * 64);
+      if constexpr (Sums) {
+        s0 = _mm512_dpbusd_epi32(s0, ones, v0);
+        s1 = _mm512_dpbusd_epi32(s1, ones, v1);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __v16si x = (__v16si)_mm512_set1_epi32(xk[j * R + r]);
+        acc[r][0] = __builtin_ia32_vpdpbusd_v16si(acc[r][0], x, (__v16si)v0);
+        acc[r][1] = __builtin_ia32_vpdpbusd_v16si(acc[r][1], x, (__v16si)v1);
+      }
+    }
+  }
+  if constexpr (Sums) {
+    off0 = _mm512_slli_epi32(s0, 7);
+    off1 = _mm512_slli_epi32(s1, 7);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_si512(c + r * 32, _mm512_sub_epi32((__m512i)acc[r][0], off0));
+    _mm512_store_si512(c + r * 32 + 16, _mm512_sub_epi32((__m512i)acc[r][1], off1));
+  }
+}
+
+// short_block for a run-time token count 1 .. R.
+template <int R = kRows>
+inline void short_any(int rows, bool sums, const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1,
+                      __m512i& off0, __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      return sums ? short_block<R, true>(xw, K, b0, b1, off0, off1, c, pf, lines)
+                  : short_block<R, false>(xw, K, b0, b1, off0, off1, c, pf, lines);
+    short_any<R - 1>(rows, sums, xw, K, b0, b1, off0, off1, c, pf, lines);
+  }
+}
+
+// The register blocks of M <= kShortRows tokens: as even as they can be; block b starts at token start(b).
+struct Blocks {
+  int64_t count, M;
+  explicit Blocks(int64_t m) : count((m + kRows - 1) / kRows), M(m) {}
+  int64_t start(int64_t b) const { return b * (M / count) + std::min(b, M % count); }
+  int64_t rows(int64_t b) const { return start(b + 1) - start(b); }
+};
+
+// c (M x 32) = the tokens (xw: block b's words at xw + start(b) * K / 4) times one 32-channel block (its tiles from
+// b0); next (or null): the block this thread computes after it, prefetched in equal shares by the passes.
+inline void short_strip(const int32_t* xw, const Blocks& blocks, int64_t K, const int8_t* b0, const char* next,
+                        int32_t* c) {
+  const int64_t ksteps = K / 64, lines = 2 * ksteps * kTile / 64;
+  __m512i off0 = _mm512_setzero_si512(), off1 = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks.count; ++b) {
+    const int64_t m = blocks.start(b), lo = b * lines / blocks.count, hi = (b + 1) * lines / blocks.count;
+    short_any(int(blocks.rows(b)), b == 0, xw + m * K / 4, K, b0, b0 + ksteps * kTile, off0, off1, c + m * 32,
+              next ? next + lo * 64 : nullptr, hi - lo);
+  }
+}
+
+// gemm for M <= kShortRows tokens: x quantised (or, int8 already, offset) row by row and laid out word-major, then
+// the blocks of channels.
+template <typename Out, bool Glu, typename In>
+bool short_gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
+                const float* xs, const float* bias, Out* out, int64_t ldo) {
+  alignas(64) float own_xs[kShortRows];
+  std::unique_ptr<int8_t, decltype(&std::free)> xq(static_cast<int8_t*>(std::aligned_alloc(64, 2 * M * K)), &std::free);
+  if (!xq) return false;
+  for (int64_t r = 0; r < M; ++r) {
+    int8_t* dst = xq.get() + r * K;
+    if constexpr (std::is_same_v<In, int8_t>) {
+      for (int64_t k = 0; k < K; k += 64)  // + 128, as unsigned
+        _mm512_storeu_si512(dst + k, _mm512_xor_si512(_mm512_loadu_si512(x + r * lda + k), _mm512_set1_epi8(-128)));
+    } else {
+      own_xs[r] = quantize_row(x + r * lda, K, dst, 64);
+    }
+  }
+  if constexpr (!std::is_same_v<In, int8_t>) xs = own_xs;
+  const Blocks blocks(M);
+  int32_t* xw = reinterpret_cast<int32_t*>(xq.get() + M * K);  // the rows, word-major block by block
+  for (int64_t b = 0; b < blocks.count; ++b) {
+    const int64_t m = blocks.start(b), n = blocks.rows(b);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t g = 0; g < K / 4; ++g) std::memcpy(xw + m * K / 4 + g * n + r, xq.get() + (m + r) * K + 4 * g, 4);
+  }
+  const int64_t ksteps = K / 64, nblocks = N / 32, block = 2 * ksteps * kTile;
+  ember_strips::claim(nblocks, [&](int64_t nb, int64_t after) {
+    alignas(64) int32_t c[kShortRows * 32];
+    const char* next = after < nblocks ? reinterpret_cast<const char*>(w + after * block) : nullptr;
+    short_strip(xw, blocks, K, w + nb * block, next, c);
+    store_rows<Out, Glu>(c, M, ws + nb * 32, xs, bias ? bias + nb * 32 : nullptr, out + nb * (Glu ? 16 : 32), ldo);
+  });
+  return true;
+}
+#endif
+
 template <typename Out, bool Glu, typename In>
 bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
           const float* xs, const float* bias, Out* out, int64_t ldo) {
+#if !EMBER_AMX
+  if (M <= kShortRows) return short_gemm<Out, Glu>(x, M, K, lda, w, N, ws, xs, bias, out, ldo);
+#endif
   const int64_t ksteps = K / 64, nblocks = N / 32, mtiles = (M + 15) / 16;
   // the re-laid activations, then (for activations quantised here) the tokens' scales
   const int64_t a_bytes = mtiles * 16 * K, xs_bytes = std::is_same_v<In, int8_t> ? 0 : mtiles * 16 * 4;
