@@ -261,8 +261,8 @@ constexpr int64_t kShortRows = 2 * kRows;
 // taken here when Sums, else given).
 // pf (or null): this pass's share of the next block, `lines` cache lines.
 template <int R, bool Sums>
-__attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1, __m512i& off0,
-                        __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
+__attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1,
+                                           __m512i& off0, __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
   const int64_t ksteps = K / 64, steps = ksteps * 16, per = (lines + steps - 1) / steps;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();

@@ -5,14 +5,14 @@
 //
 // A query of 10-30 tokens reads every weight of the model once for a few multiply-adds each: the product is bound by
 // how fast the weights stream in. oneDNN's packed bf16 matmul read them at ~26 GB/s on 2 vCPUs of a Zen 5 EPYC,
-// where two threads summing a float32 array read ~37 GB/s; ember's float32 product on bf16 words (linear_f32.cpp)
-// streams at the same rate but spends twice the multiply-adds. Here, as there, each thread computes one strip while
-// it prefetches the next, spread over the strip's passes, and claims strips one at a time from one counter. The next
-// strip is read in order, one line after another: read as four streams in turn (as linear_f32.cpp reads it, which
-// suits Zen 3), a query's products took 1.15-1.2x the time on Zen 5 (benchmarks/NOTES.md). Taller products run in
-// panels of kPanel rows, each streaming the weights again: level with oneDNN at 160-512 rows, 1.04x its time at
-// 2,048, so one layout serves every height (panels of 96, 128 or 512 rows, or sized to keep x in L2, were no
-// better). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in float32), as
+// where a bare loop of two threads reads 45-75 GB/s and this product 40-44; ember's float32 product on bf16 words
+// (linear_f32.cpp) streams at oneDNN's rate but spends twice the multiply-adds. Here, as there, each thread computes
+// one strip while it prefetches the next, spread over the strip's passes, and claims strips one at a time from one
+// counter. The next strip is read in order, one line after another: read as four streams in turn (as linear_f32.cpp
+// reads it, which suits Zen 3), a query's products took 1.15-1.2x the time on Zen 5 (benchmarks/NOTES.md). Taller
+// products run in panels of kPanel rows, each streaming the weights again: level with oneDNN at 160-512 rows, 1.04x
+// its time at 2,048, so one layout serves every height (panels of 96, 128 or 512 rows, or sized to keep x in L2, were
+// no better). The sums are float32 over the bf16 products, rounded once to bf16 (with the bias added in float32), as
 // oneDNN's; only their order differs.
 // Built and loaded like the other kernels (ember.ops.native); at::parallel_for runs it on torch's OpenMP pool.
 
