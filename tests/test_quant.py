@@ -140,6 +140,22 @@ def test_native_kernel_quantises_tokens_as_torch_does(dtype, tokens, k):
 
 
 @pytest.mark.usefixtures("native_int8")
+@pytest.mark.parametrize("glu", [False, True])
+def test_native_int8_gives_a_token_alone_what_it_gets_in_any_batch(glu):
+    """A query's few tokens (register blocks of their own count, without AMX) and a batch's (tiles of 16) take
+    different paths through the kernel: each token's row is the same, to the bit, in either."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 1024, 192
+    x = (torch.randn(40, k, generator=g) * torch.logspace(-2, 1, 40)[:, None]).bfloat16()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) / 300
+    tiles, scale = (pack_tiles(quant.interleave_glu(w)), quant.interleave_glu(ws)) if glu else (pack_tiles(w), ws)
+    whole = int8_gemm(x, tiles, scale, None, None, torch.float32, glu)
+    for rows in (slice(5, 6), slice(0, 13), slice(3, 31), slice(11, 40)):
+        assert torch.equal(int8_gemm(x[rows], tiles, scale, None, None, torch.float32, glu), whole[rows])
+
+
+@pytest.mark.usefixtures("native_int8")
 @pytest.mark.parametrize("tokens", [3, 40])
 def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     """A SwiGLU layer's product with silu(gate) * up applied in the kernel, on gate/up interleaved tiles."""
