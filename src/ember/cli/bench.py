@@ -50,6 +50,9 @@ WORKLOADS = {
     "mixed": Workload("mixed: 256 inputs of 16..1024 tokens", _lengths(256, 16, 1024, 1), 16, 4),
     "queries": Workload("queries: 200 x ~20 tokens, 8 concurrent clients", _lengths(200, 16, 24, 2), 1, 8),
     "query": Workload("one client: 64 queries of ~18 tokens, one at a time", _lengths(64, 14, 22, 3), 1, 1),
+    "passages": Workload(
+        "passages: 256 chunks of ~150 words, 16 per request, 4 in flight", _lengths(256, 120, 180, 4), 16, 4
+    ),
     "long": Workload("one 8,000-token document", (8000,), 1, 1),
     "chunked": Workload("one 12,000-token document, chunked", (12000,), 1, 1),
 }
