@@ -117,7 +117,7 @@ def test_doctor_reports_the_int8_plan():
 def test_bench_errors_are_one_clear_line():
     unknown = _ember("bench", "--workloads", "bulk,nope")
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        "ember bench: unknown workload(s) nope; choose from bulk, mixed, queries, query, long, chunked"
+        "ember bench: unknown workload(s) nope; choose from bulk, mixed, queries, query, passages, long, chunked"
     ]
     unreachable = _ember("bench", "--url", "http://127.0.0.1:1")
     assert unreachable.returncode == 2 and len(unreachable.stderr.strip().splitlines()) == 1
