@@ -244,7 +244,6 @@ inline void block_product(const int8_t* a, bool two, int64_t ksteps, const Block
 }
 #endif
 
-// x: int8 with its tokens' scales in xs, or bf16 / float32 (In) quantised here, xs then unused (nullptr).
 #if !EMBER_AMX
 // A short product (a query: up to kShortRows tokens) on AVX-512 VNNI reads every weight of the layer once for a few
 // multiply-adds each, so it is bound by the weights' stream, as ember's bf16 product is (linear_bf16.cpp), and runs
@@ -255,13 +254,11 @@ inline void block_product(const int8_t* a, bool two, int64_t ksteps, const Block
 constexpr int kRows = 14;
 constexpr int64_t kShortRows = 2 * kRows;
 
-// c (R x 32, row stride 32) = R tokens (xw: offset by 128 as unsigned bytes, word-major: the 4 bytes of word g of
-// token r at xw[g * R + r], so a step's broadcasts come from one pointer, not R rows whose pointers would not fit in
-// registers beside 28 sums) times the 32 channels of b0 and b1, less 128 x the channels' weight sums (off0, off1:
-// taken here when Sums, else given).
+// c (R x 32, row stride 32) = R tokens (xq: offset by 128 as unsigned bytes, K a token) times the 32 channels of b0
+// and b1, less 128 x the channels' weight sums (off0, off1: taken here when Sums, else given).
 // pf (or null): this pass's share of the next block, `lines` cache lines.
 template <int R, bool Sums>
-__attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1,
+__attribute__((noinline)) void short_block(const uint8_t* xq, int64_t K, const int8_t* b0, const int8_t* b1,
                                            __m512i& off0, __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
   const int64_t ksteps = K / 64, steps = ksteps * 16, per = (lines + steps - 1) / steps;
   const __m512i ones = _mm512_set1_epi8(1);
@@ -273,7 +270,7 @@ __attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const i
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = __v16si{};
   for (int64_t k = 0, q = 0; k < ksteps; ++k) {
     const int8_t *w0 = b0 + k * kTile, *w1 = b1 + k * kTile;
-    const int32_t* xk = xw + k * 16 * R;
+    const uint8_t* xk = xq + k * 64;
     for (int j = 0; j < 16; ++j) {
       if (pf)
         for (const int64_t end = std::min(lines, q + per); q < end; ++q) _mm_prefetch(pf + q * 64, _MM_HINT_T1);
@@ -284,7 +281,9 @@ __attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const i
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __v16si x = (__v16si)_mm512_set1_epi32(xk[j * R + r]);
+        int32_t word;
+        std::memcpy(&word, xk + r * K + 4 * j, sizeof(word));
+        const __v16si x = (__v16si)_mm512_set1_epi32(word);
         acc[r][0] = __builtin_ia32_vpdpbusd_v16si(acc[r][0], x, (__v16si)v0);
         acc[r][1] = __builtin_ia32_vpdpbusd_v16si(acc[r][1], x, (__v16si)v1);
       }
@@ -303,13 +302,13 @@ __attribute__((noinline)) void short_block(const int32_t* xw, int64_t K, const i
 
 // short_block for a run-time token count 1 .. R.
 template <int R = kRows>
-inline void short_any(int rows, bool sums, const int32_t* xw, int64_t K, const int8_t* b0, const int8_t* b1,
+inline void short_any(int rows, bool sums, const uint8_t* xq, int64_t K, const int8_t* b0, const int8_t* b1,
                       __m512i& off0, __m512i& off1, int32_t* c, const char* pf, int64_t lines) {
   if constexpr (R > 0) {
     if (rows == R)
-      return sums ? short_block<R, true>(xw, K, b0, b1, off0, off1, c, pf, lines)
-                  : short_block<R, false>(xw, K, b0, b1, off0, off1, c, pf, lines);
-    short_any<R - 1>(rows, sums, xw, K, b0, b1, off0, off1, c, pf, lines);
+      return sums ? short_block<R, true>(xq, K, b0, b1, off0, off1, c, pf, lines)
+                  : short_block<R, false>(xq, K, b0, b1, off0, off1, c, pf, lines);
+    short_any<R - 1>(rows, sums, xq, K, b0, b1, off0, off1, c, pf, lines);
   }
 }
 
@@ -321,26 +320,25 @@ struct Blocks {
   int64_t rows(int64_t b) const { return start(b + 1) - start(b); }
 };
 
-// c (M x 32) = the tokens (xw: block b's words at xw + start(b) * K / 4) times one 32-channel block (its tiles from
-// b0); next (or null): the block this thread computes after it, prefetched in equal shares by the passes.
-inline void short_strip(const int32_t* xw, const Blocks& blocks, int64_t K, const int8_t* b0, const char* next,
+// c (M x 32) = the M tokens (xq, K bytes a token) times one 32-channel block (its tiles from b0); next (or null): the
+// block this thread computes after it, prefetched in equal shares by the passes.
+inline void short_strip(const uint8_t* xq, const Blocks& blocks, int64_t K, const int8_t* b0, const char* next,
                         int32_t* c) {
   const int64_t ksteps = K / 64, lines = 2 * ksteps * kTile / 64;
   __m512i off0 = _mm512_setzero_si512(), off1 = _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks.count; ++b) {
     const int64_t m = blocks.start(b), lo = b * lines / blocks.count, hi = (b + 1) * lines / blocks.count;
-    short_any(int(blocks.rows(b)), b == 0, xw + m * K / 4, K, b0, b0 + ksteps * kTile, off0, off1, c + m * 32,
+    short_any(int(blocks.rows(b)), b == 0, xq + m * K, K, b0, b0 + ksteps * kTile, off0, off1, c + m * 32,
               next ? next + lo * 64 : nullptr, hi - lo);
   }
 }
 
-// gemm for M <= kShortRows tokens: x quantised (or, int8 already, offset) row by row and laid out word-major, then
-// the blocks of channels.
+// gemm for M <= kShortRows tokens: x quantised (or, int8 already, offset) row by row, then the blocks of channels.
 template <typename Out, bool Glu, typename In>
 bool short_gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
                 const float* xs, const float* bias, Out* out, int64_t ldo) {
   alignas(64) float own_xs[kShortRows];
-  std::unique_ptr<int8_t, decltype(&std::free)> xq(static_cast<int8_t*>(std::aligned_alloc(64, 2 * M * K)), &std::free);
+  std::unique_ptr<int8_t, decltype(&std::free)> xq(static_cast<int8_t*>(std::aligned_alloc(64, M * K)), &std::free);
   if (!xq) return false;
   for (int64_t r = 0; r < M; ++r) {
     int8_t* dst = xq.get() + r * K;
@@ -353,23 +351,18 @@ bool short_gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w,
   }
   if constexpr (!std::is_same_v<In, int8_t>) xs = own_xs;
   const Blocks blocks(M);
-  int32_t* xw = reinterpret_cast<int32_t*>(xq.get() + M * K);  // the rows, word-major block by block
-  for (int64_t b = 0; b < blocks.count; ++b) {
-    const int64_t m = blocks.start(b), n = blocks.rows(b);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t g = 0; g < K / 4; ++g) std::memcpy(xw + m * K / 4 + g * n + r, xq.get() + (m + r) * K + 4 * g, 4);
-  }
   const int64_t ksteps = K / 64, nblocks = N / 32, block = 2 * ksteps * kTile;
   ember_strips::claim(nblocks, [&](int64_t nb, int64_t after) {
     alignas(64) int32_t c[kShortRows * 32];
     const char* next = after < nblocks ? reinterpret_cast<const char*>(w + after * block) : nullptr;
-    short_strip(xw, blocks, K, w + nb * block, next, c);
+    short_strip(reinterpret_cast<const uint8_t*>(xq.get()), blocks, K, w + nb * block, next, c);
     store_rows<Out, Glu>(c, M, ws + nb * 32, xs, bias ? bias + nb * 32 : nullptr, out + nb * (Glu ? 16 : 32), ldo);
   });
   return true;
 }
 #endif
 
+// x: int8 with its tokens' scales in xs, or bf16 / float32 (In) quantised here, xs then unused (nullptr).
 template <typename Out, bool Glu, typename In>
 bool gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w, int64_t N, const float* ws,
           const float* xs, const float* bias, Out* out, int64_t ldo) {
