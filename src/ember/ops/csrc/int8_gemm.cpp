@@ -312,25 +312,17 @@ inline void short_any(int rows, bool sums, const uint8_t* xq, int64_t K, const i
   }
 }
 
-// The register blocks of M <= kShortRows tokens: as even as they can be; block b starts at token start(b).
-struct Blocks {
-  int64_t count, M;
-  explicit Blocks(int64_t m) : count((m + kRows - 1) / kRows), M(m) {}
-  int64_t start(int64_t b) const { return b * (M / count) + std::min(b, M % count); }
-  int64_t rows(int64_t b) const { return start(b + 1) - start(b); }
-};
-
-// c (M x 32) = the M tokens (xq, K bytes a token) times one 32-channel block (its tiles from b0); next (or null): the
-// block this thread computes after it, prefetched in equal shares by the passes.
-inline void short_strip(const uint8_t* xq, const Blocks& blocks, int64_t K, const int8_t* b0, const char* next,
-                        int32_t* c) {
-  const int64_t ksteps = K / 64, lines = 2 * ksteps * kTile / 64;
+// c (M x 32) = the M <= kShortRows tokens (xq, K bytes a token) times one 32-channel block (its tiles from b0), in
+// register blocks as even as they can be; next (or null): the block this thread computes after it, prefetched in
+// equal shares by the passes.
+inline void short_strip(const uint8_t* xq, int64_t M, int64_t K, const int8_t* b0, const char* next, int32_t* c) {
+  const int64_t ksteps = K / 64, lines = 2 * ksteps * kTile / 64, blocks = (M + kRows - 1) / kRows;
   __m512i off0 = _mm512_setzero_si512(), off1 = _mm512_setzero_si512();
-  for (int64_t b = 0; b < blocks.count; ++b) {
-    const int64_t m = blocks.start(b), lo = b * lines / blocks.count, hi = (b + 1) * lines / blocks.count;
-    short_any(int(blocks.rows(b)), b == 0, xq + m * K, K, b0, b0 + ksteps * kTile, off0, off1, c + m * 32,
+  ember_strips::row_blocks(M, blocks, [&](int64_t b, int64_t m, int64_t n) {
+    const int64_t lo = b * lines / blocks, hi = (b + 1) * lines / blocks;
+    short_any(int(n), b == 0, xq + m * K, K, b0, b0 + ksteps * kTile, off0, off1, c + m * 32,
               next ? next + lo * 64 : nullptr, hi - lo);
-  }
+  });
 }
 
 // gemm for M <= kShortRows tokens: x quantised (or, int8 already, offset) row by row, then the blocks of channels.
@@ -350,12 +342,11 @@ bool short_gemm(const In* x, int64_t M, int64_t K, int64_t lda, const int8_t* w,
     }
   }
   if constexpr (!std::is_same_v<In, int8_t>) xs = own_xs;
-  const Blocks blocks(M);
   const int64_t ksteps = K / 64, nblocks = N / 32, block = 2 * ksteps * kTile;
   ember_strips::claim(nblocks, [&](int64_t nb, int64_t after) {
     alignas(64) int32_t c[kShortRows * 32];
     const char* next = after < nblocks ? reinterpret_cast<const char*>(w + after * block) : nullptr;
-    short_strip(reinterpret_cast<const uint8_t*>(xq.get()), blocks, K, w + nb * block, next, c);
+    short_strip(reinterpret_cast<const uint8_t*>(xq.get()), M, K, w + nb * block, next, c);
     store_rows<Out, Glu>(c, M, ws + nb * 32, xs, bias ? bias + nb * 32 : nullptr, out + nb * (Glu ? 16 : 32), ldo);
   });
   return true;

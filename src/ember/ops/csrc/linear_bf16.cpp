@@ -91,13 +91,11 @@ inline void strip_rows(const uint16_t* x, int64_t ldx, int64_t M, const int32_t*
                        uint16_t* y, int64_t ldy, const int32_t* next) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   const int64_t lines = K2 * kStrip * int64_t(sizeof(int32_t)) / kLine;
-  for (int64_t b = 0, m = 0; b < blocks; ++b) {
-    const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
+  ember_strips::row_blocks(M, blocks, [&](int64_t b, int64_t m, int64_t n) {
     const int64_t lo = b * lines / blocks, hi = (b + 1) * lines / blocks;
     const char* pf = next ? reinterpret_cast<const char*>(next) + lo * kLine : nullptr;
-    rows_any(n, x + m * ldx, ldx, w, K2, bias, y + m * ldy, ldy, pf, hi - lo);
-    m += n;
-  }
+    rows_any(int(n), x + m * ldx, ldx, w, K2, bias, y + m * ldy, ldy, pf, hi - lo);
+  });
 }
 
 // y (M x N) = x (M x K) W^T + bias, W packed as above, its strips shared among the threads as strips.h says.

@@ -182,8 +182,8 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
   const int64_t most = block_rows<W>(M), blocks = (M + most - 1) / most;
   const int64_t lines = K * kStep<W> * int64_t(sizeof(W)) / kLine;
   float* const kept = std::is_same_v<W, float> || blocks < kKeepFrom<W> ? nullptr : widened(K);
-  for (int64_t b = 0, m = 0; b < blocks; ++b) {
-    const int n = int((M - m + (blocks - b) - 1) / (blocks - b));  // what is left, shared evenly
+  ember_strips::row_blocks(M, blocks, [&](int64_t b, int64_t m, int64_t rows) {
+    const int n = int(rows);
     const char* pf = nullptr;
     int64_t step = 0;
     if (next) {
@@ -202,8 +202,7 @@ inline void strip_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64
         rows_any<float, false, 1, kRows<W>>(n, x + m * ldx, ldx, static_cast<const float*>(kept), K, bias,
                                             y + m * ldy, ldy, pf, step);
     }
-    m += n;
-  }
+  });
 }
 
 // y (M x N, row stride ldy) = x (M x K, row stride ldx) W^T + bias, W packed as above (N a multiple of kStrip). The

@@ -27,4 +27,15 @@ inline void claim(int64_t strips, Run&& run) {
   });
 }
 
+// The register blocks of M rows, `blocks` of them, as even as they can be (the larger first): run(b, m, n) for
+// block b, rows m .. m + n - 1, in order.
+template <typename Run>
+inline void row_blocks(int64_t M, int64_t blocks, Run&& run) {
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t n = (M - m + (blocks - b) - 1) / (blocks - b);  // what is left, shared evenly
+    run(b, m, n);
+    m += n;
+  }
+}
+
 }  // namespace ember_strips
