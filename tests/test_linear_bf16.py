@@ -18,7 +18,7 @@ from corpus import SENTENCES
 from ember import Embedder
 from ember.config import NativeConfig
 from ember.ops.bf16_pairs import PairLinear, pack_pairs, pairable, streams_weights, unpack_pairs
-from ember.ops.fused import can_compile
+from ember.ops.fused import can_compile, silu_mul
 from ember.ops.linear import PackedLinear, linear_act, onednn_bf16, per_row_kernels, release_pairs
 from ember.ops.native import build_kernels, linear_bf16_kernel
 from parity import cos, st_reference
@@ -77,6 +77,40 @@ def test_the_activation_is_applied_after_the_product(kernel):
     x = torch.randn(7, 64).bfloat16()
     held = PairLinear(layer)
     assert torch.equal(linear_act(held, x, "gelu"), F.gelu(held(x)))
+
+
+@pytest.mark.parametrize("rows", [1, 14, 15, 29, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_swiglu_in_the_epilogue_equals_the_plain_product_then_silu_mul_bit_for_bit(kernel, rows, bias):
+    """A SwiGLU gate/up layer (gates and ups interleaved in blocks of 16) gives silu(gate) * up from the product's
+    epilogue, each rounded where the plain product and silu_mul round: the same bits. Its forward still gives
+    [gate, up], and its plain layer is the original."""
+    layer = _layer(200, 2 * 96, bias)  # 96 gates and 96 ups: three strips of each
+    plain, glu = PairLinear(layer), PairLinear(layer, glu=True)
+    assert glu.glu and not plain.glu
+    x = torch.randn(rows, 200).bfloat16()
+    assert torch.equal(glu.silu_mul(x), silu_mul(plain(x)))
+    assert glu.silu_mul(x).shape == (rows, 96)
+    assert torch.equal(glu(x), plain(x))
+    back = glu.plain()
+    assert torch.equal(back.weight, layer.weight)
+    assert not bias or torch.equal(back.bias, layer.bias)
+
+
+def test_a_swiglu_layer_whose_halves_are_not_whole_strips_keeps_the_plain_product(kernel):
+    layer = _layer(64, 2 * 48)  # 48 gates: not whole strips of 32
+    glu = PairLinear(layer, glu=True)
+    x = torch.randn(3, 64).bfloat16()
+    assert not glu.glu and torch.equal(glu.silu_mul(x), silu_mul(PairLinear(layer)(x)))
+
+
+def test_until_the_kernel_loads_a_swiglu_layer_computes_it_plainly(monkeypatch):
+    monkeypatch.setattr(pairs_mod, "linear_bf16_kernel", lambda: None)
+    layer = _layer(64, 2 * 64)
+    x = torch.randn(9, 64).bfloat16()
+    glu = PairLinear(layer, glu=True)
+    assert torch.equal(glu(x), layer(x))
+    assert torch.equal(glu.silu_mul(x), silu_mul(layer(x)))
 
 
 def test_until_the_kernel_loads_the_layer_lays_its_weights_out_plainly(monkeypatch):
@@ -140,6 +174,8 @@ def test_a_bf16_model_on_the_bf16_product_matches_sentence_transformers_and_oned
     embedder = Embedder(str(path), dtype="bfloat16")
     model = embedder._loaded.runner.model
     assert sum(isinstance(m, PairLinear) for m in model.modules()) == 2 * 4
+    gate_ups = [m for name, m in model.named_modules() if name.endswith("gate_up_proj")]
+    assert len(gate_ups) == 2 and all(m.glu for m in gate_ups)  # SwiGLU in the product's epilogue
     assert not embedder._loaded.runner.pads
     ours, _ = embedder.embed(TEXTS)
     assert cos(ours, st_reference(path, TEXTS, model_kwargs={"dtype": torch.bfloat16})).min() >= 0.999

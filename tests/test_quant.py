@@ -19,6 +19,7 @@ from ember.models.checkpoint import parameter_count
 from ember.models.llama import Block, LlamaModel
 from ember.ops import quant
 from ember.ops.fused import can_compile
+from ember.ops.glu import deinterleave_columns, interleave_glu
 from ember.ops.linear import pack_f32, strip_width
 from ember.ops.native import build_kernels, int8_gemm_kernel, linear_f32_kernel
 from ember.ops.quant import Int8Linear, int8_gemm, onednn_int8, pack_tiles, use_native_int8
@@ -149,7 +150,7 @@ def test_native_int8_gives_a_token_alone_what_it_gets_in_any_batch(glu):
     x = (torch.randn(40, k, generator=g) * torch.logspace(-2, 1, 40)[:, None]).bfloat16()
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     ws = torch.rand(n, generator=g) / 300
-    tiles, scale = (pack_tiles(quant.interleave_glu(w)), quant.interleave_glu(ws)) if glu else (pack_tiles(w), ws)
+    tiles, scale = (pack_tiles(interleave_glu(w)), interleave_glu(ws)) if glu else (pack_tiles(w), ws)
     whole = int8_gemm(x, tiles, scale, None, None, torch.float32, glu)
     for rows in (slice(5, 6), slice(0, 13), slice(3, 31), slice(11, 40)):
         assert torch.equal(int8_gemm(x[rows], tiles, scale, None, None, torch.float32, glu), whole[rows])
@@ -166,12 +167,12 @@ def test_native_swiglu_epilogue_is_silu_of_gate_times_up(tokens):
     ws, xs = torch.rand(2 * i, generator=g) / 300, torch.rand(tokens, 1, generator=g) / 10
     y = (x.double() @ w.double().t()) * ws.double() * xs.double()  # (T, 2 I): values up to ~10
     want = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
-    tiles = pack_tiles(quant.interleave_glu(w))
-    got = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, None, torch.float32, True).double()
+    tiles = pack_tiles(interleave_glu(w))
+    got = int8_gemm(x, tiles, interleave_glu(ws), xs, None, torch.float32, True).double()
     assert got.shape == (tokens, i)
     assert ((got - want).abs() / want.abs().amax()).max() < 2e-4  # rcp14: 2^-14 relative
-    plain = int8_gemm(x, tiles, quant.interleave_glu(ws), xs, None, torch.float32, False)
-    assert torch.allclose(quant._deinterleave_glu(plain).double(), y, rtol=1e-6, atol=1e-6)
+    plain = int8_gemm(x, tiles, interleave_glu(ws), xs, None, torch.float32, False)
+    assert torch.allclose(deinterleave_columns(plain).double(), y, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.usefixtures("native_int8")

@@ -188,7 +188,7 @@ def _quantize(
     are still the checkpoint's bf16 (_int8_from_checkpoint), widened by that forward as it goes."""
     texts = calibration_texts(calibration)
     if texts is None:
-        quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.int8_glu_layers)
+        quantize_int8(net, p.dtype, p.cls.int8_layers, p.cls.swiglu_layers)
         return
     cache = Int8Cache(cache_dir(native), p.path, p.dtype, texts)
     start, hit = time.perf_counter(), cache.complete
@@ -204,7 +204,7 @@ def _quantize(
         net,
         p.dtype,
         p.cls.int8_layers,
-        p.cls.int8_glu_layers,
+        p.cls.swiglu_layers,
         calibrate=run,
         known=cache.known,
         keep=cache.keep,
@@ -264,7 +264,7 @@ def load(
         if direct:
             widen_bf16(net)  # what was not quantised
         _say_int8_path(native)
-    if pack_linears(net, p.dtype, p.strips, p.pairs) or config.quantization:
+    if pack_linears(net, p.dtype, p.strips, p.pairs, p.cls.swiglu_layers) or config.quantization:
         release_mapped_pages(p.path)  # and those of the matrices packed or made int8
     head = net.head(HeadContext(p.hf_config, p.path, p.st, p.pooling))
     dims = p.hf_config.get("matryoshka_dimensions")

@@ -33,8 +33,10 @@ class Architecture(nn.Module, ABC):
     """Causal attention and LAST pooling by default (an EOS token ends each input)."""
     int8_layers: ClassVar[str]
     """A regex over module names: the linear layers --quantization int8 stores at one byte."""
-    int8_glu_layers: ClassVar[str | None] = None
-    """Of those, the SwiGLU gate/up layers (gate and up side by side), which the int8 kernel fuses."""
+    swiglu_layers: ClassVar[str | None] = None
+    """A regex over module names: the SwiGLU gate/up layers (gate and up side by side, silu(gate) * up taken of
+    them), whose products compute SwiGLU in their epilogue where the kernel can (int8, and bf16 on ember's bf16
+    product)."""
 
     @classmethod
     @abstractmethod

@@ -222,7 +222,7 @@ class LlamaModel(Architecture):
 
     is_decoder = True
     int8_layers = r"\.(mlp|self_attn)\.\w+_proj$"  # every linear layer, for --quantization int8
-    int8_glu_layers = r"\.mlp\.gate_up_proj$"  # of which SwiGLU's gate and up (Int8Linear's glu)
+    swiglu_layers = r"\.mlp\.gate_up_proj$"  # SwiGLU's gate and up, side by side
 
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()

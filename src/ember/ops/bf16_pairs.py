@@ -15,6 +15,8 @@ from torch import nn
 
 from ember.hardware import cpu_flags, cpu_vendor
 from ember.ops.activations import ACTIVATIONS
+from ember.ops.fused import silu_mul
+from ember.ops.glu import deinterleave_columns, deinterleave_glu, interleave_glu
 from ember.ops.native import linear_bf16_kernel
 
 __all__ = [
@@ -33,14 +35,23 @@ STRIP = 32
 """Output channels per strip: two registers of 16."""
 
 # linear_bf16d(x, w, bias): bf16 (T, K) activations times bf16 weights packed by pack_pairs ((N / 32, K / 2, 32)
-# int32 words), plus a float32 bias (N,) if any: (T, N) bf16. Implemented in C++ by the native library
-# (csrc/linear_bf16.cpp registers it when ember.ops.native.build_kernels loads it).
+# int32 words), plus a float32 bias (N,) if any: (T, N) bf16. linear_bf16d_glu(x, w, bias): the same for a SwiGLU's
+# gates and ups interleaved in blocks of 16 (ember.ops.glu), giving silu(gate) * up, (T, N / 2), each rounded as the
+# plain product's and silu_mul's are. (Two operators, not a flag: inductor's C++ wrapper passes an operator's
+# arguments as traced, without the schema's defaults.) Implemented in C++ by the native library
+# (csrc/linear_bf16.cpp registers them when ember.ops.native.build_kernels loads it).
 torch.library.define("ember::linear_bf16d", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+torch.library.define("ember::linear_bf16d_glu", "(Tensor x, Tensor w, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("ember::linear_bf16d")
 def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0] * STRIP))
+
+
+@torch.library.register_fake("ember::linear_bf16d_glu")
+def _glu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * STRIP // 2))
 
 
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
@@ -95,29 +106,48 @@ class PairLinear(nn.Module):
     """A drop-in for a bf16 nn.Linear (pairable), weights in pack_pairs' layout for ember's bf16 product
     (csrc/linear_bf16.cpp); `forward(x, act)` also applies an activation named in ACTIVATIONS. The same products as
     oneDNN's bf16 matmul, in float32 sums rounded once to bf16; the bias (float32) is added before that rounding.
-    Until the kernel is loaded, the weights are laid out plainly on each call."""
+    With `glu` (a SwiGLU's gate and up projections side by side, [gate; up] rows), its rows are held interleaved
+    (ember.ops.glu) and `silu_mul(x)` gives silu(gate) * up from the product's epilogue, the (T, 2 I) intermediate
+    never written; `forward` still gives [gate, up]. Until the kernel is loaded, the weights are laid out plainly
+    on each call."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, glu: bool = False) -> None:
         super().__init__()
         self.weight: torch.Tensor  # pack_pairs' words
         self.bias: torch.Tensor | None
-        self.register_buffer("weight", pack_pairs(linear.weight.detach()))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        self.glu = glu and linear.out_features % (2 * STRIP) == 0  # whole strips of gates and ups
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        if self.glu:
+            weight, bias = interleave_glu(weight), None if bias is None else interleave_glu(bias)
+        self.register_buffer("weight", pack_pairs(weight))
+        self.register_buffer("bias", None if bias is None else bias.contiguous())
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if linear_bf16_kernel() is not None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, self.in_features)
-            y = torch.ops.ember.linear_bf16d(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+            y = torch.ops.ember.linear_bf16d(rows, self.weight, self.bias)
         else:
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            y = F.linear(x, unpack_pairs(self.weight).to(x.dtype), bias)
+            y = F.linear(x.reshape(-1, self.in_features), unpack_pairs(self.weight).to(x.dtype), bias)
+        y = (deinterleave_columns(y) if self.glu else y).view(*x.shape[:-1], self.out_features)
         return ACTIVATIONS[act](y) if act else y
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this SwiGLU layer's output (made with `glu`): (..., K) -> (..., out_features / 2)."""
+        if not (self.glu and linear_bf16_kernel() is not None and x.dtype == torch.bfloat16):
+            return silu_mul(self(x))
+        y = torch.ops.ember.linear_bf16d_glu(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features // 2)
 
     def plain(self) -> nn.Linear:
         """The bf16 nn.Linear this layer stands for."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(unpack_pairs(self.weight), requires_grad=False)
-        if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.bfloat16(), requires_grad=False)
+        weight, bias = unpack_pairs(self.weight), self.bias
+        if self.glu:
+            weight, bias = deinterleave_glu(weight), None if bias is None else deinterleave_glu(bias)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.bfloat16(), requires_grad=False)
         return linear

@@ -19,6 +19,7 @@ on bulk batches on AVX-512).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -153,16 +154,20 @@ def strip_width() -> int:
     return 32 if "avx512f" in cpu_flags() else 16
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, strips: bool = False, pairs: bool = False) -> int:
+def pack_linears(
+    model: nn.Module, dtype: torch.dtype, strips: bool = False, pairs: bool = False, glu: str | None = None
+) -> int:
     """Replace each nn.Linear of `model` by a PackedLinear, where oneDNN runs bf16 (bf16 models) or is the faster
     float32 product (float32 models on AMD); with `strips` (float32 only), by a StripLinear where its width allows;
-    with `pairs` (bf16 only), by a PairLinear where its shape allows; returns how many. (Layers already replaced,
-    e.g. by int8 ones or Bf16Linear, are left as they are.)"""
+    with `pairs` (bf16 only), by a PairLinear where its shape allows, SwiGLU in its epilogue for those whose name
+    matches `glu`; returns how many. (Layers already replaced, e.g. int8 or Bf16Linear ones, are left as they are.)"""
     if not ((dtype == torch.bfloat16 and onednn_bf16()) or (dtype == torch.float32 and onednn_f32())):
         return 0
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if pairs and dtype == torch.bfloat16:
-        return replace_linears(model, names, lambda m: PairLinear(m) if pairable(m) else PackedLinear(m))
+        swiglu = {id(model.get_submodule(name)) for name in names if glu and re.search(glu, name)}
+        pair = lambda m: PairLinear(m, id(m) in swiglu) if pairable(m) else PackedLinear(m)  # noqa: E731
+        return replace_linears(model, names, pair)
     if not (strips and dtype == torch.float32):
         return replace_linears(model, names, PackedLinear)
     width = strip_width()

@@ -38,6 +38,7 @@ from torch import nn
 
 from ember.hardware import cpu_flags
 from ember.ops.fused import silu_mul
+from ember.ops.glu import deinterleave_columns, interleave_glu
 from ember.ops.gptq import MAX_INPUTS, gptq_int8, round_int8
 from ember.ops.linear import pack_f32, replace_linears, strip_width
 from ember.ops.native import int8_gemm_kernel, linear_f32_kernel
@@ -50,7 +51,6 @@ __all__ = [
     "int8_mm",
     "int8_targets",
     "int_mm_fast",
-    "interleave_glu",
     "onednn_int8",
     "pack_tiles",
     "quantize_int8",
@@ -105,18 +105,6 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     16 output channels x 64 inputs, each channel's 4 consecutive inputs side by side."""
     n, k = w.shape
     return w.reshape(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def interleave_glu(t: torch.Tensor) -> torch.Tensor:
-    """Rows (or entries) [gate; up] of a SwiGLU layer -> gates and ups alternating in blocks of 16."""
-    half = t.shape[0] // 2
-    return t.reshape(2, half // 16, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
-def _deinterleave_glu(y: torch.Tensor) -> torch.Tensor:
-    """The columns of a product on interleave_glu's weights, back to [gate, up]: (T, 2 I)."""
-    t, n = y.shape
-    return y.view(t, n // 32, 2, 16).transpose(1, 2).reshape(t, n)
 
 
 def _fits_tiles(linear: Int8Linear) -> bool:
@@ -232,7 +220,7 @@ class Int8Linear(nn.Module):
         x = self._rotated(x)
         if w.dim() == 5:  # the native kernel's tiles (tile_scale is set before them); it quantises x itself
             y = int8_gemm(x, w, self.tile_scale, None, self.bias, self.out_dtype, False)
-            return _deinterleave_glu(y) if self.glu else y
+            return deinterleave_columns(y) if self.glu else y
         xq, xs = _quantize_tokens(x)
         if self.onednn:
             y = int8_mm(xq, w, self.scale, self.out_dtype).float()
