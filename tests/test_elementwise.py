@@ -52,6 +52,8 @@ def test_qk_norm_rope_equals_the_reference_function(tokens: int, heads: tuple[in
     cos, sin = rope_cos_sin(torch.arange(tokens) + 11, rope_inv_freq(d, {"rope_theta": 1e6}), torch.bfloat16)
     got = fused.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)
     assert torch.equal(got, torch.ops.ember.qk_norm_rope(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6))
+    wide = [t.float() for t in (q_weight, k_weight, cos, sin)]  # held as float32: the same values, the same bits
+    assert torch.equal(got, torch.ops.ember.qk_norm_rope(qkv, n_kv, *wide, 1e-6))
     want = fused._qk_norm_rope.fn(qkv, n_kv, q_weight, k_weight, cos, sin, 1e-6)  # the torch function, eager
     assert torch.equal(got[:, n_q + n_kv :], qkv[:, n_q + n_kv :])  # v untouched
     diff = (got.float() - want.float()).abs()

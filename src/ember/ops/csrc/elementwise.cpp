@@ -57,16 +57,22 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return out;
 }
 
+// 16 float32 values of a norm's weights or the rotary's cos / sin, held as float32 or as bf16 (a bf16 model's, read
+// as they are rather than converted on every call).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) { return ember_vec::load_bf16(p); }
+
 // One token's heads: the first n_norm (q, then k) RMS-normed over d with their weight (qw for the first n_q,
 // kw after), rounded to bf16 as the reference does, then rotated: out = x cos + swap_halves(x) sin (the sin's
-// first half negated, ember.ops.rope); the rest (v) copied.
+// first half negated, ember.ops.rope); the rest (v) copied. T: how the weights, cos and sin are held.
+template <typename T>
 void qk_norm_rope_token(const bf16* x, bf16* out, int64_t heads, int64_t n_q, int64_t n_norm, int64_t d,
-                        const float* qw, const float* kw, const float* cos, const float* sin, float eps) {
+                        const T* qw, const T* kw, const T* cos, const T* sin, float eps) {
   const int64_t nv = d / 16, nh = nv / 2;  // vectors per head, per half
   __m512 v[16];                              // d <= 256
   for (int64_t h = 0; h < n_norm; ++h) {
     const bf16* src = x + h * d;
-    const float* w = h < n_q ? qw : kw;
+    const T* w = h < n_q ? qw : kw;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t i = 0; i < nv; ++i) {
       v[i] = ember_vec::load_bf16(src + 16 * i);
@@ -74,11 +80,11 @@ void qk_norm_rope_token(const bf16* x, bf16* out, int64_t heads, int64_t n_q, in
     }
     const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
     for (int64_t i = 0; i < nv; ++i)
-      v[i] = ember_vec::round_bf16(_mm512_mul_ps(_mm512_mul_ps(v[i], r), _mm512_loadu_ps(w + 16 * i)));
+      v[i] = ember_vec::round_bf16(_mm512_mul_ps(_mm512_mul_ps(v[i], r), load16(w + 16 * i)));
     bf16* dst = out + h * d;
     for (int64_t i = 0; i < nh; ++i) {
-      const __m512 c1 = _mm512_loadu_ps(cos + 16 * i), c2 = _mm512_loadu_ps(cos + 16 * (nh + i));
-      const __m512 s1 = _mm512_loadu_ps(sin + 16 * i), s2 = _mm512_loadu_ps(sin + 16 * (nh + i));
+      const __m512 c1 = load16(cos + 16 * i), c2 = load16(cos + 16 * (nh + i));
+      const __m512 s1 = load16(sin + 16 * i), s2 = load16(sin + 16 * (nh + i));
       ember_vec::store_bf16(dst + 16 * i, _mm512_add_ps(_mm512_mul_ps(v[i], c1), _mm512_mul_ps(v[nh + i], s1)));
       ember_vec::store_bf16(dst + 16 * (nh + i), _mm512_add_ps(_mm512_mul_ps(v[nh + i], c2), _mm512_mul_ps(v[i], s2)));
     }
@@ -86,26 +92,43 @@ void qk_norm_rope_token(const bf16* x, bf16* out, int64_t heads, int64_t n_q, in
   std::memcpy(out + n_norm * d, x + n_norm * d, (heads - n_norm) * d * sizeof(bf16));
 }
 
+// Every token of x (T, heads, d; token stride ld) into out, the weights, cos and sin held as T (cos, sin: d values a
+// token, `lc` elements from one token's to the next).
+template <typename T>
+void qk_norm_rope_all(const bf16* x, int64_t ld, bf16* out, int64_t t, int64_t heads, int64_t n_q, int64_t n_kv,
+                      int64_t d, const T* qw, const T* kw, const T* c, const T* s, int64_t lc, float eps) {
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      qk_norm_rope_token(x + i * ld, out + i * heads * d, heads, n_q, n_q + n_kv, d, qw, kw, c + i * lc, s + i * lc,
+                         eps);
+  });
+}
+
 at::Tensor qk_norm_rope_op(const at::Tensor& qkv, int64_t n_kv, const at::Tensor& q_weight, const at::Tensor& k_weight,
                            const at::Tensor& cos, const at::Tensor& sin, double eps) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kBFloat16, "qk_norm_rope: qkv must be (T, heads, D) bf16");
   const int64_t t = qkv.size(0), heads = qkv.size(1), d = qkv.size(2), n_q = heads - 2 * n_kv;
   TORCH_CHECK(d % 32 == 0 && d <= 256 && n_q > 0, "qk_norm_rope: head size must be a multiple of 32 up to 256");
-  const at::Tensor x = qkv.stride(2) == 1 && qkv.stride(1) == d ? qkv : qkv.contiguous();
-  const auto f32 = [](const at::Tensor& a) { return a.to(at::kFloat).contiguous(); };
-  const at::Tensor qw = f32(q_weight), kw = f32(k_weight), c = f32(cos), s = f32(sin);  // cos, sin: (T, 1, D)
-  TORCH_CHECK(qw.numel() == d && kw.numel() == d && c.numel() == t * d && s.numel() == t * d,
+  TORCH_CHECK(q_weight.numel() == d && k_weight.numel() == d && cos.numel() == t * d && sin.numel() == t * d,
               "qk_norm_rope: weights of D and cos, sin of (T, 1, D) values");
+  const at::Tensor x = qkv.stride(2) == 1 && qkv.stride(1) == d ? qkv : qkv.contiguous();
   at::Tensor out = at::empty({t, heads, d}, qkv.options());
   const auto* src = static_cast<const bf16*>(x.data_ptr());
   auto* dst = static_cast<bf16*>(out.data_ptr());
-  const int64_t ld = x.stride(0);
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      qk_norm_rope_token(src + i * ld, dst + i * heads * d, heads, n_q, n_q + n_kv, d, qw.data_ptr<float>(),
-                         kw.data_ptr<float>(), c.data_ptr<float>() + i * d, s.data_ptr<float>() + i * d, e);
-  });
+  const at::Tensor* held[] = {&q_weight, &k_weight, &cos, &sin};
+  if (std::all_of(std::begin(held), std::end(held), [](const at::Tensor* a) {
+        return a->scalar_type() == at::kBFloat16 && a->is_contiguous();
+      })) {  // a bf16 model's, read as they are
+    const auto ptr = [](const at::Tensor& a) { return static_cast<const bf16*>(a.data_ptr()); };
+    qk_norm_rope_all(src, x.stride(0), dst, t, heads, n_q, n_kv, d, ptr(q_weight), ptr(k_weight), ptr(cos), ptr(sin),
+                     d, e);
+  } else {
+    const auto f32 = [](const at::Tensor& a) { return a.to(at::kFloat).contiguous(); };
+    const at::Tensor qw = f32(q_weight), kw = f32(k_weight), c = f32(cos), s = f32(sin);
+    qk_norm_rope_all(src, x.stride(0), dst, t, heads, n_q, n_kv, d, qw.data_ptr<float>(), kw.data_ptr<float>(),
+                     c.data_ptr<float>(), s.data_ptr<float>(), d, e);
+  }
   return out;
 }
 
