@@ -9,12 +9,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import ember.ops.bf16_pairs as pairs_mod
 from checkpoints.families import build_nomic_bert
 from corpus import SENTENCES
 from ember import Embedder
-from ember.config import ModelConfig
+from ember.config import ModelConfig, NativeConfig
 from ember.engine.build import plan
 from ember.errors import UnsupportedModelError
+from ember.ops.bf16_pairs import PairLinear
+from ember.ops.linear import onednn_bf16
+from ember.ops.native import build_kernels, linear_bf16_kernel
 
 TEXTS = [*SENTENCES[:8], SENTENCES[50]]
 
@@ -81,3 +85,25 @@ def test_remote_code_config_variants_are_refused_by_name(nomic_dir):
         plan(ModelConfig(str(nomic_dir), hf_overrides={"prenorm": True}))
     with pytest.raises(UnsupportedModelError, match="activation_function 'gelu'"):
         plan(ModelConfig(str(nomic_dir), hf_overrides={"activation_function": "gelu"}))
+
+
+def test_its_swiglu_runs_in_the_products_epilogue_where_the_kernels_do(nomic_dir, monkeypatch):
+    """fc1 is a SwiGLU's (gate, up) pair: in int8, and in bf16 on ember's bf16 product (as on AMD Zen 4/5), the layer
+    writes silu(gate) * up from its product's epilogue, and the vectors still follow nomic's formulas."""
+    ids = [Embedder(str(nomic_dir), dtype="float32", enforce_eager=True).tokenizer.encode(t) for t in TEXTS]
+    ref = np.stack([reference(nomic_dir, seq) for seq in ids])
+
+    def swiglu_layers(embedder: Embedder) -> list[torch.nn.Module]:
+        return [m for name, m in embedder._loaded.runner.model.named_modules() if name.endswith("mlp.fc1")]
+
+    q8 = Embedder(str(nomic_dir), dtype="bfloat16", quantization="int8", enforce_eager=True)
+    assert swiglu_layers(q8) and all(m.glu for m in swiglu_layers(q8))
+    assert (q8.embed(ids).vectors * ref).sum(1).min() >= 0.99
+    build_kernels(NativeConfig())
+    if linear_bf16_kernel() is None or not onednn_bf16():
+        pytest.skip("ember's bf16 product does not run here (it needs AVX-512 BF16 and a compiler)")
+    monkeypatch.setattr(pairs_mod, "pair_bf16", lambda: True)
+    monkeypatch.setattr(pairs_mod, "streams_weights", lambda _: True)  # the test model's are a few KB
+    bf16 = Embedder(str(nomic_dir), dtype="bfloat16", enforce_eager=True)
+    assert all(isinstance(m, PairLinear) and m.glu for m in swiglu_layers(bf16))
+    assert (bf16.embed(ids).vectors * ref).sum(1).min() >= 0.999

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import UnsupportedModelError
@@ -21,6 +20,7 @@ from ember.models.base import Architecture
 from ember.models.bert import LayerNorm
 from ember.models.checkpoint import concat_hook
 from ember.ops.attention import varlen_attention
+from ember.ops.fused import swiglu
 from ember.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.ops.tokenwise import by_token_slices
 
@@ -110,8 +110,7 @@ class MLP(nn.Module):
         self._register_load_state_dict_pre_hook(concat_hook("fc1", ("fc12", "fc11")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.fc2(swiglu(self.fc1, x))
 
 
 class Layer(nn.Module):
@@ -140,6 +139,7 @@ class NomicBertModel(Architecture):
     """The NomicBert encoder: token ids in, final hidden states out."""
 
     int8_layers = r"\.(attn\.Wqkv|attn\.out_proj|mlp\.fc1|mlp\.fc2)$"
+    swiglu_layers = r"\.mlp\.fc1$"  # (gate, up)
 
     def __init__(self, a: NomicBertArgs) -> None:
         super().__init__()
