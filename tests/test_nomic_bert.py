@@ -90,7 +90,8 @@ def test_remote_code_config_variants_are_refused_by_name(nomic_dir):
 def test_its_swiglu_runs_in_the_products_epilogue_where_the_kernels_do(nomic_dir, monkeypatch):
     """fc1 is a SwiGLU's (gate, up) pair: in int8, and in bf16 on ember's bf16 product (as on AMD Zen 4/5), the layer
     writes silu(gate) * up from its product's epilogue, and the vectors still follow nomic's formulas."""
-    ids = [Embedder(str(nomic_dir), dtype="float32", enforce_eager=True).tokenizer.encode(t) for t in TEXTS]
+    tokenizer = Embedder(str(nomic_dir), dtype="float32", enforce_eager=True).tokenizer
+    ids = [tokenizer.encode(t) for t in TEXTS]
     ref = np.stack([reference(nomic_dir, seq) for seq in ids])
 
     def swiglu_layers(embedder: Embedder) -> list[torch.nn.Module]:

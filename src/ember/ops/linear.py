@@ -165,10 +165,10 @@ def pack_linears(
         return 0
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if pairs and dtype == torch.bfloat16:
-        # ids, not the layers: each old matrix is freed as it is replaced, and no original layer shares a live id
-        swiglu = {id(model.get_submodule(name)) for name in names if glu and re.search(glu, name)}
-        pair = lambda m: PairLinear(m, id(m) in swiglu) if pairable(m) else PackedLinear(m)  # noqa: E731
-        return replace_linears(model, names, pair)
+        swiglu = [name for name in names if glu and re.search(glu, name)]
+        pair = lambda m, on: PairLinear(m, on) if pairable(m) else PackedLinear(m)  # noqa: E731
+        replace_linears(model, swiglu, lambda m: pair(m, True))
+        return len(swiglu) + replace_linears(model, [n for n in names if n not in swiglu], lambda m: pair(m, False))
     if not (strips and dtype == torch.float32):
         return replace_linears(model, names, PackedLinear)
     width = strip_width()
