@@ -19,7 +19,8 @@ oneDNN, MKL and ATen capped (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_C
 kernel library and attention picked for the tier (serve_vllm.sh, harness/vllm_tier), so an AMX Xeon measures what
 an AMD EPYC or an AVX2-only Xeon would. The compute limit (benchmarks/harness/roofline.py: the GEMM
 rate over the model's FLOPs per token) is probed under the same cap before the servers start, between every two
-rounds with both servers frozen, and after they stop. Each round's ember rate is taken as a fraction of the higher
+rounds with both servers frozen, and after they stop; the model's FLOPs per token are counted at each workload's own
+sequence lengths (attention's share grows with them). Each round's ember rate is taken as a fraction of the higher
 of the two probes either side of it, and a workload's fraction is the median over its rounds: the host's speed
 moves by a third within a run, so one probe for the whole run read ember at 0.82 or 1.07 of the limit in the same
 run. The fraction against the highest probe of the run is kept beside it. For the one-query workload the inverse
@@ -40,6 +41,7 @@ import sys
 from pathlib import Path
 
 from harness import QWEN_DIR, ROOT, PeakRss, cpu_description, frozen, launch, row_cosines, stop
+from harness.roofline import workload_tokens_per_s
 from run import start_server
 
 from ember.cli.bench import WORKLOADS, Result, Workload, make_texts, run_workload
@@ -173,12 +175,18 @@ def main() -> None:
         ratios = [b.seconds / a.seconds for a, b in zip(e, p, strict=True)]
         peer_rates = [a.tokens / b.seconds for a, b in zip(e, p, strict=True)]
         near = [max(a, b, key=lambda x: x["gflops"]) for a, b in itertools.pairwise(probes[key])]
-        fractions = [x.tokens_per_s / lim["tokens_per_s"] for x, lim in zip(e, near, strict=True)]
+        lengths = WORKLOADS[key].lengths
+        fractions = [
+            x.tokens_per_s / workload_tokens_per_s(lim, args.model, lengths, x.tokens, int(args.max_model_len))
+            for x, lim in zip(e, near, strict=True)
+        ]
+        highest = workload_tokens_per_s(limit, args.model, lengths, e[0].tokens, int(args.max_model_len))
         row = {
             "key": key,
             "ember_fraction_of_limit": statistics.median(fractions),  # each round against the probes either side
             "ember_fractions_of_limit": fractions,
-            "ember_fraction_of_highest_limit": statistics.median(x.tokens_per_s for x in e) / limit["tokens_per_s"],
+            "ember_fraction_of_highest_limit": statistics.median(x.tokens_per_s for x in e) / highest,
+            "limit_tokens_per_s_at_highest": highest,  # at the workload's own lengths
             "probes_gflops": [x["gflops"] for x in probes[key]],
             "ember_tokens_per_s": [x.tokens_per_s for x in e],
             "peer_tokens_per_s": peer_rates,

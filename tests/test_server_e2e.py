@@ -307,6 +307,25 @@ def test_ember_bench_sends_the_key_and_skips_workloads_the_model_cannot_take(ser
     assert lines[1].startswith("queries:") and "tok/s" in lines[1]
 
 
+def test_bench_workload_counts_usage_and_stops_on_a_refused_request(server):
+    import asyncio
+
+    from ember.cli.bench import WORKLOADS, BenchError, Workload, run_workload
+
+    w = WORKLOADS["queries"]
+    small = Workload(w.name, w.lengths[:12], w.per_request, 4)
+    result = asyncio.run(run_workload(server.url, NAME, small, KEY))
+    assert result.requests == 12 and result.retries == 0
+    tokens = sum(
+        httpx.post(server.url + "/v1/embeddings", json={"model": NAME, "input": t},
+                   headers={"Authorization": f"Bearer {KEY}"}).json()["usage"]["prompt_tokens"]
+        for t in small.texts()
+    )  # fmt: skip
+    assert result.tokens == tokens
+    with pytest.raises(BenchError, match="the server answered 401"):
+        asyncio.run(run_workload(server.url, NAME, small, "not-the-key"))
+
+
 def test_sigterm_drain_keeps_its_grace_and_answers_the_rest_503(tmp_path):
     """More queued work than the grace can finish: the process exits within grace + 2 s, every client gets a
     200 or an OpenAI-shaped 503 (no plain 500, no traceback), and the work nobody will receive is dropped."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +28,26 @@ def compute_limit(model: str, dtype: str, seq_len: int = 512) -> dict[str, float
         )
     per_token = flops_per_token(config, seq_len, causal=config.get("model_type") == "qwen3")
     return {"gflops": gflops, "gflop_per_token": per_token / 1e9, "tokens_per_s": gflops * 1e9 / per_token}
+
+
+def workload_tokens_per_s(
+    limit: dict[str, float], model: str, lengths: Sequence[int], tokens: int, window: int | None = None
+) -> float:
+    """The limit in tokens/s for a workload of inputs of these lengths, at the GEMM rate `limit` was probed at.
+
+    Attention's FLOPs per token grow with the sequence a token is in, so they are counted at the workload's own
+    lengths (each scaled so they sum to `tokens`, the count its usage reported): a ~19-token query's token is 6%
+    fewer FLOPs than a 512-token document's in the 0.6B shape, and an 8,000-token document's twice as many.
+    Token-weighted, a sequence of L tokens has L of them, each attending to L/2 keys on average when causal. With
+    `window` (the server's --max-model-len under chunked processing) a longer input counts as its windows."""
+    config = read_config(resolve_model(model))
+    scale = tokens / sum(lengths)
+    scaled = [n * scale for n in lengths]
+    if window:
+        scaled = [min(window, n - start) for n in scaled for start in range(0, math.ceil(n), window)]
+    seq_len = sum(n * n for n in scaled) / sum(scaled)
+    per_token = flops_per_token(config, seq_len, causal=config.get("model_type") == "qwen3")
+    return limit["gflops"] * 1e9 / per_token
 
 
 def int8_gops(size: int, repeats: int) -> float:

@@ -202,7 +202,7 @@ def plan_memory(
     )
 
 
-def flops_per_token(config: dict[str, Any], seq_len: int, causal: bool) -> float:
+def flops_per_token(config: dict[str, Any], seq_len: float, causal: bool) -> float:
     """Forward FLOPs per token: 2 x the layers' matrix weights, plus attention over `seq_len`."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
