@@ -59,3 +59,37 @@ def test_qk_norm_rope_equals_the_reference_function(tokens: int, heads: tuple[in
     diff = (got.float() - want.float()).abs()
     assert (diff <= 2**-7 * want.float().abs() + 1e-6).all()  # at most a bf16 step where float32 sums round apart
     assert (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "b"), [(1, 1024, 64), (15, 3072, 64), (300, 1024, 64), (7, 96, 32), (5, 48, 16)]
+)
+def test_hadamard_rotate_is_the_rotation_product_in_float32_rounded_once(tokens: int, k: int, b: int) -> None:
+    from ember.ops.rotation import hadamard, rotate_rows
+
+    g = torch.Generator().manual_seed(tokens + k)
+    x = (torch.randn(tokens, k, generator=g) * 3).to(torch.bfloat16)
+    x[:, 5] = 200.0  # an outlier channel, as rotation is there for
+    h = hadamard(b)
+    got = torch.ops.ember.hadamard_rotate(x, h)
+    want = (x.double().reshape(-1, b) @ h.double()).reshape(tokens, k)
+    assert got.shape == (tokens, k) and got.dtype == torch.bfloat16
+    # one bf16 rounding of float32 sums: within half a bf16 step of the exact product, plus float32's own
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-3).all()
+    assert torch.equal(rotate_rows(x, h), got)  # what int8 layers call on bf16 rows
+    wide = torch.randn(tokens, k + 64, dtype=torch.bfloat16, generator=g)
+    assert torch.equal(
+        torch.ops.ember.hadamard_rotate(wide[:, :k], h), torch.ops.ember.hadamard_rotate(wide[:, :k].contiguous(), h)
+    )
+
+
+def test_hadamard_rotate_matches_the_matrix_product_path_and_refuses_other_blocks() -> None:
+    from ember.ops.rotation import hadamard, rotate
+
+    x = torch.randn(40, 1024, dtype=torch.bfloat16)
+    h = hadamard(64)
+    got, mm = torch.ops.ember.hadamard_rotate(x, h).float(), rotate(x, h).float()
+    assert (got - mm).abs().max() <= 2**-7 * mm.abs().max()  # the same product; sums in another order
+    assert torch.equal(torch.ops.ember.hadamard_rotate(x[:1], h), torch.ops.ember.hadamard_rotate(x, h)[:1])
+    with pytest.raises(RuntimeError, match="blocks of 16, 32 or 64"):
+        torch.ops.ember.hadamard_rotate(x, hadamard(128))

@@ -42,7 +42,7 @@ from ember.ops.glu import deinterleave_columns, interleave_glu
 from ember.ops.gptq import MAX_INPUTS, gptq_int8, round_int8
 from ember.ops.linear import pack_f32, replace_linears, strip_width
 from ember.ops.native import int8_gemm_kernel, linear_f32_kernel
-from ember.ops.rotation import BLOCK, block_size, hadamard, rotate
+from ember.ops.rotation import BLOCK, block_size, hadamard, native_rotation, rotate, rotate_rows
 
 __all__ = [
     "Int8Linear",
@@ -207,13 +207,14 @@ class Int8Linear(nn.Module):
     def per_row_kernels(self) -> bool:
         """Whether it runs a product on oneDNN, which builds a kernel per row count (ember.ops.linear.per_row_kernels):
         its int8 product, but not on the native kernel's tiles or the float32 product's int8 strips; or its inputs'
-        rotation in bf16 (a bf16 matmul of T * K / b rows)."""
-        rotated_bf16 = self.rotation is not None and self.out_dtype == torch.bfloat16
+        rotation in bf16 where the native transform does not run (a bf16 matmul of T * K / b rows)."""
+        rotation = self.rotation
+        rotated_bf16 = rotation is not None and self.out_dtype == torch.bfloat16 and not native_rotation(len(rotation))
         return rotated_bf16 or (self.qweight.dim() not in (3, 5) and (self.onednn or self.int_mm))
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
         """The inputs in the rotated basis the weights were quantised in."""
-        return x if self.rotation is None else rotate(x, self.rotation)
+        return x if self.rotation is None else rotate_rows(x, self.rotation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight  # read once: use_native_int8 may swap it from another thread

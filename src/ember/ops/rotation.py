@@ -9,7 +9,9 @@ largest value sits close to its typical one, and int8 keeps far more of it (QuaR
 
 R here is block-diagonal: the same block of up to `BLOCK` channels (a Hadamard matrix with a fixed pattern of signs on
 its rows, orthonormal) repeated along the inputs, so rotating costs one small matrix product per token, needs no
-calibration data, and is the same for every model. The weights are rotated once, when they are quantised.
+calibration data, and is the same for every model. The weights are rotated once, when they are quantised. bf16 rows
+go through the native elementwise library's fast Walsh-Hadamard transform once it is loaded (`rotate_rows`): the
+same product with its sums in another order, ~0.1 of the matrix product's time on a query's rows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import functools
 
 import torch
 
-__all__ = ["BLOCK", "block_size", "hadamard", "rotate"]
+from ember.ops.native import elementwise_kernel
+
+__all__ = ["BLOCK", "block_size", "hadamard", "native_rotation", "rotate", "rotate_rows"]
 
 BLOCK = 64
 """The largest block rotated as one; an input width takes the largest power of two up to this that divides it.
@@ -60,3 +64,25 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 @rotate.register_fake
 def _(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=x.dtype if x.dtype == torch.bfloat16 else torch.float32)
+
+
+torch.library.define("ember::hadamard_rotate", "(Tensor x, Tensor h) -> Tensor")
+
+
+@torch.library.register_fake("ember::hadamard_rotate")
+def _(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def native_rotation(b: int) -> bool:
+    """Whether bf16 rows rotated in blocks of `b` take the native transform (csrc/elementwise.cpp), now."""
+    return b in (16, 32, 64) and elementwise_kernel() is not None
+
+
+def rotate_rows(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """`rotate`, on the native transform for bf16 rows where it runs: the signs, the Walsh-Hadamard butterflies in
+    float32 and one rounding to bf16, called from compiled regions without Python (the matrix product's op costs a
+    Python call and a oneDNN product of T * K / b rows: 3.6 ms of a 20 ms int8 query on Zen 5)."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and native_rotation(h.shape[0]):
+        return torch.ops.ember.hadamard_rotate(x, h)
+    return rotate(x, h)

@@ -1,12 +1,13 @@
-// The elementwise work between a bf16 layer's matrix products, on AVX-512: SwiGLU's silu(gate) * up, and
-// Qwen3's q/k RMSNorm + rotary, each one pass over the projection.
+// The elementwise work between a bf16 layer's matrix products, on AVX-512: SwiGLU's silu(gate) * up,
+// Qwen3's q/k RMSNorm + rotary, each one pass over the projection, and the Hadamard rotation of an int8 layer's
+// inputs (ember.ops.rotation) as a fast Walsh-Hadamard transform.
 //
 // torch.compile's kernels for them (ember.ops.fused) run far under memory speed: for 1,600 tokens of
 // Qwen3-0.6B, silu_mul 1.8-2.7 ms (its exp) and qk_norm_rope ~2 ms, where a copy of as many bytes takes
 // ~0.5-0.8 ms. Here exp is a degree-5 polynomial and a scalef and 1 / (1 + e) is rcp14, both far inside
 // bf16's rounding; the norm rounds where the reference does.
 // Registered as torch's operators ember::silu_mul and ember::qk_norm_rope (schemas and shape functions:
-// ember.ops.fused).
+// ember.ops.fused) and ember::hadamard_rotate (ember.ops.rotation).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -132,6 +133,72 @@ at::Tensor qk_norm_rope_op(const at::Tensor& qkv, int64_t n_kv, const at::Tensor
   return out;
 }
 
+// One butterfly stage within a register: lanes i and i ^ L become (a + b, a - b), a the lower lane.
+template <int L>
+inline __m512 butterfly(__m512 v) {
+  __m512 t;
+  if constexpr (L == 1) t = _mm512_permute_ps(v, 0xB1);
+  else if constexpr (L == 2) t = _mm512_permute_ps(v, 0x4E);
+  else if constexpr (L == 4) t = _mm512_shuffle_f32x4(v, v, 0xB1);
+  else t = _mm512_shuffle_f32x4(v, v, 0x4E);
+  constexpr __mmask16 upper = L == 1 ? 0xAAAA : L == 2 ? 0xCCCC : L == 4 ? 0xF0F0 : 0xFF00;
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, t), upper, t, v);
+}
+
+// One block of B inputs (16, 32 or 64) times the rotation: each input times its sign / sqrt(B) (the rotation's
+// first column), then the Walsh-Hadamard transform in float32, rounded once to bf16.
+template <int B>
+void hadamard_block(const bf16* x, bf16* out, const __m512* first_column) {
+  constexpr int R = B / 16;
+  __m512 v[R];
+  for (int r = 0; r < R; ++r) {
+    v[r] = _mm512_mul_ps(ember_vec::load_bf16(x + 16 * r), first_column[r]);
+    v[r] = butterfly<8>(butterfly<4>(butterfly<2>(butterfly<1>(v[r]))));
+  }
+  for (int len = 1; len < R; len *= 2)
+    for (int r = 0; r < R; ++r)
+      if (!(r & len)) {
+        const __m512 a = v[r], b = v[r + len];
+        v[r] = _mm512_add_ps(a, b);
+        v[r + len] = _mm512_sub_ps(a, b);
+      }
+  for (int r = 0; r < R; ++r) ember_vec::store_bf16(out + 16 * r, v[r]);
+}
+
+template <int B>
+void hadamard_rows(const bf16* x, int64_t ldx, bf16* out, int64_t t, int64_t k, const float* h) {
+  __m512 first_column[B / 16];
+  for (int r = 0; r < B / 16; ++r) {
+    alignas(64) float c[16];
+    for (int j = 0; j < 16; ++j) c[j] = h[(16 * r + j) * B];
+    first_column[r] = _mm512_load_ps(c);
+  }
+  // ~32 KB of rows per task at the least: a query's rows stay on one thread
+  at::parallel_for(0, t, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t j = 0; j < k; j += B) hadamard_block<B>(x + i * ldx + j, out + i * k + j, first_column);
+  });
+}
+
+// (T, K) bf16 rows times the block-diagonal rotation of h (B, B): h is ember.ops.rotation.hadamard's, a Sylvester
+// Hadamard matrix over sqrt(B) with its rows' signs flipped, so x @ h is the signs applied, then the transform.
+at::Tensor hadamard_rotate_op(const at::Tensor& x, const at::Tensor& h) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "hadamard_rotate: x must be (T, K) bf16");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == h.size(1) && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "hadamard_rotate: h must be a contiguous (B, B) float32 rotation");
+  const int64_t t = x.size(0), k = x.size(1), b = h.size(0);
+  TORCH_CHECK((b == 16 || b == 32 || b == 64) && k % b == 0, "hadamard_rotate: blocks of 16, 32 or 64 dividing K");
+  const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({t, k}, x.options());
+  const auto* src = static_cast<const bf16*>(rows.data_ptr());
+  auto* dst = static_cast<bf16*>(out.data_ptr());
+  const float* hp = h.data_ptr<float>();
+  if (b == 16) hadamard_rows<16>(src, rows.stride(0), dst, t, k, hp);
+  else if (b == 32) hadamard_rows<32>(src, rows.stride(0), dst, t, k, hp);
+  else hadamard_rows<64>(src, rows.stride(0), dst, t, k, hp);
+  return out;
+}
+
 }  // namespace
 
 extern "C" int ember_elementwise_usable() { return 1; }
@@ -139,4 +206,5 @@ extern "C" int ember_elementwise_usable() { return 1; }
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("silu_mul", &silu_mul_op);
   m.impl("qk_norm_rope", &qk_norm_rope_op);
+  m.impl("hadamard_rotate", &hadamard_rotate_op);
 }
