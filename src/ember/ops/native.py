@@ -3,7 +3,8 @@
 - attention.cpp: flash attention over packed sequences (ember.ops.attention): float32 from AVX2 + FMA up (16-lane
   loops from AVX-512 up) and on aarch64 (NEON), and bf16 on AMX or AVX-512 BF16;
 - int8_gemm.cpp: the int8 linear layers' matrix product, on AMX or AVX-512 VNNI (ember.ops.quant);
-- elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused);
+- elementwise.cpp: SwiGLU's silu(gate) * up and Qwen3's q/k norm + rotary, bf16 (ember.ops.fused), and int8 layers'
+  input rotation (ember.ops.rotation);
 - linear.cpp: float32 linear layers on bf16 weights (a bf16 checkpoint's, held as bf16), AVX-512 (ember.ops.linear);
 - linear_f32.cpp: float32 linear layers on AMD CPUs without AVX-512, weights streamed while computed, float32 or a
   bf16 checkpoint's bf16 (ember.ops.linear); and int8 layers' products on x86 CPUs without VNNI or AMX, on int8
@@ -12,9 +13,9 @@
   (ember.ops.bf16_pairs).
 
 Loading a library also registers its torch operators (ember::native_attention, ember::int8_gemm,
-ember::silu_mul, ember::qk_norm_rope, ember::linear_bf16w, ember::linear_f32w, ember::linear_f32h,
-ember::linear_f32q, ember::linear_bf16d; their schemas are defined in Python), which compiled regions call through
-the dispatcher without Python.
+ember::silu_mul, ember::qk_norm_rope, ember::hadamard_rotate, ember::linear_bf16w, ember::linear_f32w,
+ember::linear_f32h, ember::linear_f32q, ember::linear_bf16d, ember::linear_bf16d_glu; their schemas are defined in
+Python), which compiled regions call through the dispatcher without Python.
 
 Two ways to get them, tried in this order:
 
@@ -167,7 +168,8 @@ def native_attention_dtypes() -> frozenset[torch.dtype]:
 
 
 def elementwise_kernel() -> ctypes.CDLL | None:
-    """The bf16 elementwise library (SwiGLU, q/k norm + rotary), once `build_kernels` has built it; else None."""
+    """The bf16 elementwise library (SwiGLU, q/k norm + rotary, int8 inputs' rotation), once `build_kernels` has built
+    it; else None."""
     return _loaded.get("elementwise")
 
 
