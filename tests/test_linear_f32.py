@@ -13,6 +13,7 @@ from torch import nn
 import ember.engine.build as build_mod
 import ember.engine.runner as runner_mod
 import ember.ops.linear as linear_mod
+import ember.ops.quant as quant
 from checkpoints import build_bert, build_qwen3
 from corpus import SENTENCES
 from ember import Embedder
@@ -285,7 +286,7 @@ def test_bf16_words_in_tall_batches_equal_float64(kernel):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
-def test_batches_pad_only_where_a_layer_builds_a_kernel_per_row_count(kernel):
+def test_batches_pad_only_where_a_layer_builds_a_kernel_per_row_count(kernel, monkeypatch):
     """oneDNN (PackedLinear, a bf16 nn.Linear, int8 on torch._int_mm or oneDNN) builds a kernel for each row count,
     so those models' batches run at a few rounded counts; ember's own products and oneMKL's float32 one do not."""
     assert not per_row_kernels(nn.Sequential(StripLinear(_layer(64, 64)), _layer(64, 32)))
@@ -299,4 +300,7 @@ def test_batches_pad_only_where_a_layer_builds_a_kernel_per_row_count(kernel):
     int8.qweight = pack_f32(torch.zeros(64, 64, dtype=torch.int8), strip_width())  # the float32 product's strips
     assert int8.rotation is not None and not per_row_kernels(nn.Sequential(int8))  # rotated in float32: oneMKL
     int8.out_dtype = torch.bfloat16  # a bf16 model's int8 layer: its inputs rotated by a bf16 matmul, on oneDNN
+    monkeypatch.setattr(quant, "native_rotation", lambda b: False)
     assert per_row_kernels(nn.Sequential(int8))
+    monkeypatch.setattr(quant, "native_rotation", lambda b: True)  # ... or by the native transform: no kernels
+    assert not per_row_kernels(nn.Sequential(int8))
