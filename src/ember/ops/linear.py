@@ -165,10 +165,9 @@ def pack_linears(
         return 0
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if pairs and dtype == torch.bfloat16:
-        swiglu = [name for name in names if glu and re.search(glu, name)]
-        pair = lambda m, on: PairLinear(m, on) if pairable(m) else PackedLinear(m)  # noqa: E731
-        replace_linears(model, swiglu, lambda m: pair(m, True))
-        return len(swiglu) + replace_linears(model, [n for n in names if n not in swiglu], lambda m: pair(m, False))
+        swiglu = {name for name in names if glu and re.search(glu, name)}
+        pair = lambda on: lambda m: PairLinear(m, on) if pairable(m) else PackedLinear(m)  # noqa: E731
+        return sum(replace_linears(model, [name], pair(name in swiglu)) for name in names)
     if not (strips and dtype == torch.float32):
         return replace_linears(model, names, PackedLinear)
     width = strip_width()
